@@ -1,0 +1,116 @@
+"""Shared fixtures: a tiny random Llama target with a small byte-level BPE tokenizer and a ChatML template.
+
+Everything is built locally from `transformers`/`tokenizers` configs: no network, no hub, a few seconds.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+CHATML = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a tiny test assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts tokens and the target verifies them in one forward pass.",
+    "def add(a, b):\n    return a + b\n",
+    "Write a short poem about the sea, the wind and the stars.",
+    "You are a tiny test assistant. Answer briefly and politely.",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20.",
+] * 20
+
+
+def build_tokenizer():
+    """A byte-level BPE with ChatML special tokens (vocabulary of about 300)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    return fast
+
+
+def build_tiny_llama(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    # Sharpen the random model a little so greedy decoding is not a coin toss between near-equal logits.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_tokenizer):
+    """(model, tokenizer): a frozen 2-layer, hidden-64 random Llama. Do not modify it in a test."""
+    model = build_tiny_llama(tiny_tokenizer)
+    model.requires_grad_(False)
+    return model, tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tiny_target, tmp_path_factory):
+    """The tiny target saved as an HF folder (config, safetensors, tokenizer)."""
+    model, tok = tiny_target
+    path = tmp_path_factory.mktemp("tiny_target")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_file(tmp_path_factory):
+    """64 chat conversations (JSONL with `messages`)."""
+    import json
+
+    path = tmp_path_factory.mktemp("data") / "chat.jsonl"
+    with open(path, "w") as f:
+        for i in range(64):
+            q = CORPUS[i % 6]
+            msgs = [{"role": "user", "content": f"Repeat: {q}"}, {"role": "assistant", "content": q}]
+            f.write(json.dumps({"id": f"c{i}", "messages": msgs}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_prompt_file(tmp_path_factory):
+    """8 evaluation prompts (JSONL with `messages`, one user turn)."""
+    import json
+
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    with open(path, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": CORPUS[i % 6]}]}) + "\n")
+    return str(path)
