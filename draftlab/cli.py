@@ -1,0 +1,155 @@
+"""The `draftlab` console script.
+
+    draftlab train recipe=NAME key=value ...        train (same arguments as draftlab/train.py)
+    draftlab eval --checkpoint DIR --prompts FILE --out REPORT.json [options]
+    draftlab eval --proposer prompt_lookup --target PATH --prompts FILE --out REPORT.json
+    draftlab recipes                                 list the recipes
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types whose message is meant for the user: printed as one line, exit code 2."""
+    from draftlab.checkpoint import CheckpointError
+    from draftlab.config import ConfigError
+
+    errors: list[type[BaseException]] = [ConfigError, CheckpointError]
+    for module, name in (("draftlab.data", "DataError"), ("draftlab.target", "TargetError"),
+                         ("draftlab.hub", "HubError")):
+        try:
+            errors.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+def run_guarded(fn) -> int:
+    """Run fn(); user errors become one line on stderr and exit code 2, Ctrl-C exit code 130."""
+    try:
+        fn()
+    except user_errors() as e:
+        print(f"draftlab: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("draftlab: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def eval_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="draftlab eval", description="Score a drafter by real speculative decoding.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="run folder (its best step) or step_N folder")
+    src.add_argument("--proposer", choices=["prompt_lookup"], help="training-free proposer (needs --target)")
+    p.add_argument("--prompts", required=True, help="JSONL prompt set (rows with `messages` or `prompt`)")
+    p.add_argument("--out", required=True, help="report JSON to write (a .md table and plots go beside it)")
+    p.add_argument("--target", help="target model (default: the one the checkpoint was trained for)")
+    p.add_argument("--draft-length", type=int, default=5, help="chain draft length k (default 5)")
+    p.add_argument("--tree", choices=["chain", "static", "dynamic"], default="chain")
+    p.add_argument("--depth", type=int, default=5, help="dynamic tree depth")
+    p.add_argument("--top-k", type=int, default=8, help="dynamic tree branching")
+    p.add_argument("--total-tokens", type=int, default=48, help="dynamic tree size")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (with the identity check)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--sampling-top-k", type=int, default=0, help="top-k filter applied to draft and target")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    return p
+
+
+def checkpoint_target(folder: Path) -> str:
+    """The target path a checkpoint was trained with: its run's config.yaml, else its drafter config."""
+    from omegaconf import OmegaConf
+
+    from draftlab.checkpoint import CheckpointError, read_drafter_config
+
+    for cfg_file in (folder / "config.yaml", folder.parent / "config.yaml"):
+        if cfg_file.is_file():
+            path = OmegaConf.select(OmegaConf.load(cfg_file), "target.path")
+            if path:
+                return str(path)
+    name = (read_drafter_config(folder).get("target") or {}).get("name_or_path")
+    if not name:
+        raise CheckpointError(f"cannot tell which target {folder} belongs to: pass --target PATH")
+    return name
+
+
+def cmd_eval(argv: list[str]) -> None:
+    import json
+
+    from draftlab.checkpoint import load_drafter, resolve_checkpoint
+    from draftlab.config import ConfigError
+    from draftlab.data import encode_prompt, load_prompts
+    from draftlab.evaluator import evaluate, run_baseline, summary_line, write_report
+    from draftlab.target import load_target
+    from draftlab.train import eos_ids
+    from draftlab.trees import TreeSpec
+    from draftlab.verify import Sampling
+
+    args = eval_parser().parse_args(argv)
+    if args.draft_length < 1 or args.max_new_tokens < 1:
+        raise ConfigError("--draft-length and --max-new-tokens must be at least 1")
+    folder = resolve_checkpoint(args.checkpoint) if args.checkpoint else None
+    if folder is None and not args.target:
+        raise ConfigError("--proposer prompt_lookup needs --target PATH (the model to speculate for)")
+    prompts = load_prompts(args.prompts, limit=args.num_prompts)  # bad prompt files fail before the model loads
+    target, tokenizer = load_target(args.target or checkpoint_target(folder), args.dtype, args.device)
+    if folder is not None:
+        proposer = load_drafter(folder, target).eval().proposer(target)
+        label = str(folder)
+    else:
+        from draftlab.proposers import PromptLookupProposer
+
+        proposer, label = PromptLookupProposer(num_tokens=args.draft_length), "prompt_lookup"
+    spec = TreeSpec(kind=args.tree, draft_length=args.draft_length, depth=args.depth, top_k=args.top_k,
+                    total_tokens=args.total_tokens)
+    sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.sampling_top_k)
+    prompt_ids = [encode_prompt(tokenizer, p.messages) for p in prompts]
+    eos = eos_ids(tokenizer, target)
+    baseline = run_baseline(target, prompt_ids, max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
+                            sampling=sampling, seed=args.seed)
+    report = evaluate(target, proposer, prompt_ids, spec=spec, sampling=sampling, max_new_tokens=args.max_new_tokens,
+                      eos_token_ids=eos, baseline=baseline, categories=[p.category for p in prompts], seed=args.seed)
+    report["drafter"] = label
+    report["prompts"] = args.prompts
+    write_report(report, args.out)
+    print(summary_line(report))
+    print(f"report: {args.out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = __doc__.strip()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from draftlab.config import load_config
+        from draftlab.train import main as train_main
+
+        return run_guarded(lambda: train_main(load_config(rest)))
+    if command == "eval":
+        return run_guarded(lambda: cmd_eval(rest))
+    if command == "push":
+        from draftlab.hub import cmd_push
+
+        return run_guarded(lambda: cmd_push(rest))
+    if command == "recipes":
+        from draftlab.config import available_recipes
+
+        print("\n".join(available_recipes()))
+        return 0
+    print(f"draftlab: error: unknown command '{command}': use train, eval, push or recipes\n\n{usage}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,331 @@
+"""Typed run configuration: defaults live here once; recipes pick options; `key=value` overrides the rest.
+
+`load_config(["recipe=eagle_head", "train.lr=3e-4"])` composes, in order:
+  1. the dataclass defaults below,
+  2. `recipes/<recipe>.yaml` (which may name base recipes under `defaults: [...]`, merged first),
+  3. the command-line overrides (`a.b=value`, values parsed as YAML).
+Unknown recipes, unknown keys, wrong types and invalid choices raise `ConfigError` with one line that names
+the offending key and the valid choices, before anything expensive happens.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+
+class ConfigError(ValueError):
+    """A configuration problem a user can fix; the message is one line."""
+
+
+@dataclass
+class TargetConfig:
+    path: str = ""
+    """The target LLM: local HF folder, Hub id, `.gguf` file, or `package:PKG/FILE` (a file inside a Python package)."""
+    dtype: str = "auto"
+    """Target weights dtype: auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16."""
+    device: str = "auto"
+    """Device for the target (and drafter): auto, cpu, cuda, cuda:N. Under multi-process launch each rank uses its own."""
+
+
+@dataclass
+class DataConfig:
+    train: str = ""
+    """Training conversations: JSONL/JSON file (chat `messages`, ShareGPT `conversations`, prompt/response) or a datasets Hub id."""
+    eval_prompts: str = ""
+    """Prompt set (JSONL with `messages` or `prompt`) for in-loop evaluation."""
+    max_length: int = 2048
+    """Tokens per training conversation; longer ones are truncated."""
+    limit: int = 0
+    """Use at most this many training conversations (0 = all)."""
+    strict: bool = False
+    """Fail on the first malformed data row instead of counting and skipping it."""
+    regenerate_from: str = ""
+    """When `data.train` does not exist yet: prompts file the target answers first to create it (cached, resumable)."""
+    regenerate_num: int = 0
+    """How many prompts of `data.regenerate_from` to answer (0 = all)."""
+    regenerate_max_new_tokens: int = 256
+    """Answer length limit when regenerating."""
+    regenerate_batch_size: int = 16
+    """Prompts per generate batch when regenerating."""
+
+
+@dataclass
+class DrafterConfig:
+    kind: str = "eagle"
+    """Drafter kind: one of draftlab.drafters.DRAFTERS (eagle, ...)."""
+    num_layers: int = 1
+    """Decoder layers in the head (eagle)."""
+    feature_noise: float = 0.2
+    """EAGLE: std of the uniform noise added to target features during training (0 = off)."""
+    reg_weight: float = 1.0
+    """EAGLE: weight of the feature-regression (SmoothL1) loss."""
+    cls_weight: float = 0.1
+    """EAGLE: weight of the soft cross-entropy against the target distribution."""
+    fc_bias: bool = True
+    """EAGLE: bias in the fusion layer."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    """Optimizer steps (each = batch_size x grad_accum x processes conversations)."""
+    lr: float = 1e-4
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    schedule: str = "cosine"
+    """Learning-rate schedule after warm-up: constant, linear, cosine."""
+    batch_size: int = 4
+    """Conversations per micro-batch per process."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    grad_clip: float = 0.5
+    """Gradient-norm clipping (0 = off)."""
+    mixed_precision: str = "auto"
+    """auto (bf16 on a GPU that supports it, else none), no, bf16, fp16."""
+    log_every: int = 10
+    """Write a metrics.jsonl row every N steps."""
+    save_every: int = 0
+    """Also save a checkpoint every N steps (0 = only at evaluations and the final step)."""
+    keep_last: int = 0
+    """Keep only the N newest step folders, never the best one (0 = keep all)."""
+    resume: str = ""
+    """Resume: '' (fresh run), 'auto' (latest step in out_dir, if any), or a step folder."""
+    num_threads: int = 0
+    """CPU threads for torch (0 = torch's default)."""
+    cache_features: bool = False
+    """Keep each conversation's target features in memory after its first forward (the target is frozen, so they
+    never change) and skip the target forward in later epochs. Memory: training tokens x feature size."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 500
+    """Evaluate by real speculative decoding every N steps (0 = off); the final step is always evaluated when > 0."""
+    at_start: bool = False
+    """Also evaluate the untrained drafter before the first step (step_0)."""
+    num_prompts: int = 16
+    """Prompts of data.eval_prompts used in each evaluation."""
+    max_new_tokens: int = 128
+    """Tokens generated per prompt."""
+    draft_length: int = 5
+    """Chain draft length k (tau <= k+1)."""
+    tree: str = "chain"
+    """Draft structure: chain, static, dynamic."""
+    depth: int = 5
+    """Dynamic tree: expansion depth."""
+    top_k: int = 8
+    """Dynamic tree: branching per expansion."""
+    total_tokens: int = 48
+    """Dynamic tree: nodes kept after reranking."""
+    temperature: float = 0.0
+    """Sampling temperature for evaluation (0 = greedy, with the identity check)."""
+    seed: int = 0
+    """Sampling seed for evaluation."""
+
+
+@dataclass
+class HubConfig:
+    repo_id: str = ""
+    """Hub repository ORG/NAME to push to ('' = no upload)."""
+    push: str = "none"
+    """When to push: none, best, final, every_eval."""
+    private: bool = False
+    """Create the Hub repository as private."""
+
+
+@dataclass
+class RunConfig:
+    recipe: str = ""
+    """Recipe name (recipes/NAME.yaml) or path to a YAML file."""
+    out_dir: str = "checkpoints/run"
+    """Run folder: config.yaml, metrics.jsonl, step_N/, best, plots."""
+    seed: int = 0
+    """Seed for data order, noise and initialisation."""
+    tracking: str = "jsonl"
+    """Comma-separated trackers: none, jsonl, tensorboard, wandb."""
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
+
+
+CHOICES = {
+    "train.schedule": ("constant", "linear", "cosine"),
+    "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
+    "eval.tree": ("chain", "static", "dynamic"),
+    "hub.push": ("none", "best", "final", "every_eval"),
+}
+TRACKERS = ("none", "jsonl", "tensorboard", "wandb")
+
+
+def recipes_dir() -> Path:
+    """The recipes folder: $DRAFTLAB_RECIPES, else the one beside the package (source checkout / editable install)."""
+    env = os.environ.get("DRAFTLAB_RECIPES")
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parent.parent / "recipes"
+    return here if here.is_dir() else Path.cwd() / "recipes"
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+def _recipe_file(name: str) -> Path:
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError(f"recipe file {name} not found")
+        return path
+    path = recipes_dir() / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown recipe '{name}': choose one of {', '.join(available_recipes())} "
+                          f"(files in {recipes_dir()}), or pass recipe=path/to/file.yaml")
+    return path
+
+
+def _load_recipe(name: str, seen: tuple[str, ...] = ()) -> DictConfig:
+    """A recipe's YAML with its `defaults` (base recipes) merged underneath it."""
+    if name in seen:
+        raise ConfigError(f"recipe '{name}' includes itself through defaults: {' -> '.join(seen + (name,))}")
+    path = _recipe_file(name)
+    try:
+        raw = OmegaConf.load(path)
+    except Exception as e:  # YAML syntax errors
+        raise ConfigError(f"cannot parse recipe {path}: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"recipe {path} must be a mapping of keys to values")
+    bases = raw.pop("defaults", []) or []
+    merged = OmegaConf.create({})
+    for base in bases:
+        merged = OmegaConf.merge(merged, _load_recipe(str(base), seen + (name,)))
+    return OmegaConf.merge(merged, raw)
+
+
+def _section_class(section: str):
+    """The dataclass behind a dotted section name ('' = RunConfig)."""
+    node: Any = RunConfig
+    for part in [p for p in section.split(".") if p]:
+        node = {f.name: f for f in fields(node)}[part].default_factory
+    return node
+
+
+def _describe_key_error(key: str) -> str:
+    """One line naming the bad key, a close match and the valid keys of its section."""
+    parts, section = key.split("."), ""
+    for i, part in enumerate(parts):
+        schema = {f.name: f for f in fields(_section_class(section))}
+        if part not in schema:
+            where = section or "the top level"
+            close = difflib.get_close_matches(part, list(schema), n=1)
+            hint = f" (did you mean {'.'.join(filter(None, [section, close[0]]))}?)" if close else ""
+            return f"unknown config key '{key}'{hint}: valid keys under {where} are {', '.join(schema)}"
+        is_section = schema[part].default_factory is not None and is_dataclass(schema[part].default_factory)
+        if not is_section and i < len(parts) - 1:
+            return f"config key '{'.'.join(parts[: i + 1])}' is a value, not a section: '{key}' is not valid"
+        section = ".".join(filter(None, [section, part]))
+    return f"invalid config key '{key}'"
+
+
+def _merge(base: DictConfig, layer: DictConfig, origin: str) -> DictConfig:
+    try:
+        return OmegaConf.merge(base, layer)
+    except ConfigKeyError as e:
+        raise ConfigError(f"{origin}: {_describe_key_error(e.full_key)}") from None
+    except ValidationError as e:
+        expected = e.ref_type.__name__ if getattr(e, "ref_type", None) else "another type"
+        raise ConfigError(f"{origin}: config key '{e.full_key}' got {e.value!r}, expected {expected}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{origin}: {str(e).splitlines()[0]}") from None
+
+
+def parse_overrides(args: list[str]) -> tuple[str, list[str]]:
+    """Split `recipe=NAME` from the other `key=value` arguments; anything else is an error."""
+    recipe, rest = "", []
+    for arg in args:
+        if "=" not in arg or arg.startswith("="):
+            raise ConfigError(f"argument '{arg}' is not key=value: use recipe=NAME and overrides like train.lr=1e-4")
+        key, value = arg.split("=", 1)
+        if key.lstrip("+") == "recipe":
+            recipe = value
+        else:
+            rest.append(arg)
+    return recipe, rest
+
+
+def load_config(args: list[str]) -> RunConfig:
+    """Compose defaults, recipe and overrides into a validated RunConfig (an OmegaConf-backed object)."""
+    recipe, overrides = parse_overrides(args)
+    cfg = OmegaConf.structured(RunConfig)
+    if recipe:
+        cfg = _merge(cfg, _load_recipe(recipe), f"recipe {recipe}")
+        cfg.recipe = recipe
+    for item in overrides:
+        try:
+            layer = OmegaConf.from_dotlist([item])
+        except Exception as e:
+            raise ConfigError(f"cannot parse override '{item}': {str(e).splitlines()[0]}") from None
+        cfg = _merge(cfg, layer, f"override {item}")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg) -> None:
+    """Choices and ranges that types alone do not catch."""
+    from draftlab.drafters import DRAFTERS
+
+    for key, options in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in options:
+            raise ConfigError(f"config key '{key}' is '{value}': choose one of {', '.join(options)}")
+    if cfg.drafter.kind not in DRAFTERS:
+        raise ConfigError(f"config key 'drafter.kind' is '{cfg.drafter.kind}': choose one of {', '.join(DRAFTERS)}")
+    for tracker in tracking_list(cfg):
+        if tracker not in TRACKERS:
+            raise ConfigError(f"config key 'tracking' names '{tracker}': choose from {', '.join(TRACKERS)} "
+                              "(comma-separated for several)")
+    positive = ["train.max_steps", "train.batch_size", "train.grad_accum", "eval.draft_length",
+                "eval.max_new_tokens", "eval.num_prompts", "data.max_length", "eval.depth", "eval.top_k",
+                "eval.total_tokens"]
+    for key in positive:
+        if OmegaConf.select(cfg, key) < 1:
+            raise ConfigError(f"config key '{key}' is {OmegaConf.select(cfg, key)}: it must be at least 1")
+    for key in ["train.lr", "eval.every", "train.save_every", "train.keep_last", "eval.temperature",
+                "data.limit", "train.warmup_steps"]:
+        if OmegaConf.select(cfg, key) < 0:
+            raise ConfigError(f"config key '{key}' is {OmegaConf.select(cfg, key)}: it must not be negative")
+    if not cfg.target.path:
+        raise ConfigError("config key 'target.path' is empty: set target.path=FOLDER|HUB_ID|FILE.gguf")
+    if not cfg.data.train:
+        raise ConfigError("config key 'data.train' is empty: set data.train=FILE.jsonl or a datasets Hub id")
+    if cfg.eval.every > 0 and not cfg.data.eval_prompts:
+        raise ConfigError("in-loop evaluation needs prompts: set data.eval_prompts=FILE.jsonl (or eval.every=0)")
+
+
+def tracking_list(cfg) -> list[str]:
+    return [t.strip() for t in str(cfg.tracking).split(",") if t.strip() and t.strip() != "none"]
+
+
+def to_yaml(cfg) -> str:
+    return OmegaConf.to_yaml(cfg)
+
+
+def load_saved(path: str | Path) -> RunConfig:
+    """A run's saved config.yaml, checked against the current schema."""
+    cfg = OmegaConf.structured(RunConfig)
+    return _merge(cfg, OmegaConf.load(path), str(path))

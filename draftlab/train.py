@@ -1,0 +1,415 @@
+"""Train a drafter against a frozen target and score it in the loop by real speculative decoding.
+
+    accelerate launch draftlab/train.py recipe=eagle_head target.path=... data.train=... key=value ...
+    python draftlab/train.py recipe=quickstart          # same arguments, one process
+    draftlab train recipe=quickstart                     # the console script
+
+`main(cfg)` reads top to bottom: set-up, data, drafter, optimiser, then the step loop (target forward ->
+drafter loss -> optimiser step), with evaluation + checkpoint every `eval.every` steps and at the end.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: import the package, not its modules as top-level names
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+    sys.path.insert(0, os.path.dirname(_here))
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+from draftlab import checkpoint as ckpt
+from draftlab.config import ConfigError, load_config, to_yaml, tracking_list
+
+
+def main(cfg) -> dict:
+    """Run one training job described by a RunConfig; returns a summary dict (best step, tau, ...)."""
+    from draftlab.data import ChatDataset, read_conversations
+    from draftlab.drafters import DRAFTERS
+    from draftlab.target import load_target
+
+    out_dir = Path(cfg.out_dir)
+    resume_from = find_resume_folder(cfg, out_dir)  # refuses to overwrite an existing run before any loading
+    if cfg.train.num_threads > 0:
+        torch.set_num_threads(cfg.train.num_threads)
+    accelerator = make_accelerator(cfg, out_dir)
+    is_main = accelerator.is_main_process
+    set_seed(cfg.seed)
+
+    # --- target and data -------------------------------------------------------------------------------
+    target, tokenizer = load_target(cfg.target.path, cfg.target.dtype, str(accelerator.device)
+                                    if cfg.target.device == "auto" else cfg.target.device)
+    prepare_train_data(cfg, target, tokenizer, accelerator)
+    conversations, stats = read_conversations(cfg.data.train, strict=cfg.data.strict, limit=cfg.data.limit or None)
+    dataset = ChatDataset(conversations, tokenizer, cfg.data.max_length)
+    if len(dataset) == 0:
+        raise ConfigError(f"data.train {cfg.data.train} has no usable conversation "
+                          f"({stats}): check the file's format (messages / conversations / prompt+response)")
+    batches = Batches(dataset, cfg.train.batch_size, accelerator.num_processes, accelerator.process_index,
+                      cfg.seed, pad_token_id=pad_id(tokenizer))
+    if is_main:
+        print(f"data: {len(dataset)} conversations from {cfg.data.train} ({stats})", flush=True)
+
+    # --- drafter, optimiser, schedule --------------------------------------------------------------------
+    drafter = DRAFTERS[cfg.drafter.kind].from_target(target, cfg.drafter).to(accelerator.device)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
+                                  weight_decay=cfg.train.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
+    model = DrafterLoss(drafter)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+
+    state = {"step": 0, "micro_step": 0, "best_step": None, "best_tau": None, "history": []}
+    if resume_from is not None:
+        state = restore(resume_from, drafter, optimizer, scheduler)
+        if is_main:
+            print(f"resumed from {resume_from} at step {state['step']}", flush=True)
+    elif is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(to_yaml(cfg) + f"world_size: {accelerator.num_processes}\n")
+    batches.micro_step = state["micro_step"]
+    if tracking_list(cfg):
+        accelerator.init_trackers(out_dir.name, config=flat_config(cfg))
+    evaluator = InLoopEvaluator(cfg, target, tokenizer) if cfg.eval.every > 0 and is_main else None
+
+    if evaluator and cfg.eval.at_start and state["step"] == 0:
+        checkpoint_step(cfg, out_dir, 0, drafter, optimizer, scheduler, state, evaluator, accelerator)
+
+    # --- the loop ------------------------------------------------------------------------------------------
+    feature_layers = tuple(getattr(drafter, "feature_layers", ()))
+    cache = {} if cfg.train.cache_features else None
+    progress = tqdm(total=cfg.train.max_steps, initial=state["step"], disable=not is_main, desc="train",
+                    dynamic_ncols=True)
+    window = {"tokens": 0, "start": time.perf_counter()}
+    while state["step"] < cfg.train.max_steps:
+        model.train()
+        metrics_sum: dict[str, float] = {}
+        for micro in range(cfg.train.grad_accum):
+            rows, batch = batches.next()
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            features = features_for(target, batch, rows, feature_layers, cache) if feature_layers else None
+            last = micro == cfg.train.grad_accum - 1
+            with accelerator.no_sync(model) if not last else nullcontext():
+                with accelerator.autocast():
+                    loss, metrics = model(batch, features)
+                accelerator.backward(loss / cfg.train.grad_accum)
+            for k, v in {"loss": loss.item(), **metrics}.items():
+                metrics_sum[k] = metrics_sum.get(k, 0.0) + float(v) / cfg.train.grad_accum
+            window["tokens"] += int(batch["attention_mask"].sum()) * accelerator.num_processes
+        if cfg.train.grad_clip > 0:
+            accelerator.clip_grad_norm_(params, cfg.train.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["step"] += 1
+        state["micro_step"] = batches.micro_step
+        step = state["step"]
+
+        progress.update(1)
+        postfix = {"loss": f"{metrics_sum['loss']:.3f}"}
+        if state["history"]:
+            postfix["tau"] = f"{state['history'][-1]['tau']:.2f}"
+        progress.set_postfix(postfix)
+        if is_main and (step % cfg.train.log_every == 0 or step == cfg.train.max_steps):
+            elapsed = time.perf_counter() - window["start"]
+            row = {"step": step, "lr": scheduler.get_last_lr()[0], **metrics_sum,
+                   "train_tokens_per_second": window["tokens"] / max(elapsed, 1e-9),
+                   "world_size": accelerator.num_processes}
+            log_metrics(out_dir, row, accelerator)
+            window = {"tokens": 0, "start": time.perf_counter()}
+
+        final = step == cfg.train.max_steps
+        eval_due = cfg.eval.every > 0 and (step % cfg.eval.every == 0 or final)
+        save_due = final or eval_due or (cfg.train.save_every > 0 and step % cfg.train.save_every == 0)
+        if save_due:
+            accelerator.wait_for_everyone()
+            if is_main:
+                checkpoint_step(cfg, out_dir, step, drafter, optimizer, scheduler, state,
+                                evaluator if eval_due else None, accelerator)
+            accelerator.wait_for_everyone()
+    progress.close()
+    accelerator.end_training()
+
+    summary = {"out_dir": str(out_dir), "steps": state["step"], "best_step": state["best_step"],
+               "best_tau": state["best_tau"], "history": state["history"]}
+    if is_main:
+        print_summary(summary)
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------------------
+# pieces used by main(), in the order main() uses them
+
+
+def find_resume_folder(cfg, out_dir: Path) -> Path | None:
+    """The step folder to resume from, or None for a fresh run; refuses to overwrite an existing run."""
+    existing = ckpt.step_folders(out_dir)
+    if cfg.train.resume == "":
+        if existing:
+            raise ConfigError(f"out_dir {out_dir} already holds a run ({existing[-1].name}): pass train.resume=auto "
+                              "to continue it, or choose another out_dir (nothing was overwritten)")
+        return None
+    if cfg.train.resume == "auto":
+        resumable = [p for p in existing if (p / ckpt.STATE_NAME).is_file()]
+        return resumable[-1] if resumable else None
+    path = Path(cfg.train.resume)
+    if not (path / ckpt.STATE_NAME).is_file():
+        raise ConfigError(f"train.resume={path}: no {ckpt.STATE_NAME} there; pass a step_N folder of a run or 'auto'")
+    return path
+
+
+def make_accelerator(cfg, out_dir: Path) -> Accelerator:
+    mixed = cfg.train.mixed_precision
+    if mixed == "auto":
+        mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    trackers = [t for t in tracking_list(cfg) if t != "jsonl"]
+    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed,
+                       log_with=trackers or None, project_dir=str(out_dir))
+
+
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def prepare_train_data(cfg, target, tokenizer, accelerator) -> None:
+    """Create data.train by letting the target answer data.regenerate_from, if asked (resumable, main process)."""
+    if not cfg.data.regenerate_from:
+        return
+    if accelerator.is_main_process:
+        from draftlab.answers import answer_prompts
+        from draftlab.data import load_prompts
+
+        prompts = load_prompts(cfg.data.regenerate_from, limit=cfg.data.regenerate_num or None)
+        Path(cfg.data.train).parent.mkdir(parents=True, exist_ok=True)
+        answer_prompts(target, tokenizer, prompts, cfg.data.train,
+                       max_new_tokens=cfg.data.regenerate_max_new_tokens, batch_size=cfg.data.regenerate_batch_size)
+    accelerator.wait_for_everyone()
+
+
+class Batches:
+    """Deterministic, resumable batches: epoch e is a permutation seeded by (seed, e); each process takes its
+    slice of every global batch. `micro_step` is the exact data position, saved with checkpoints."""
+
+    def __init__(self, dataset, batch_size: int, world: int, rank: int, seed: int, pad_token_id: int):
+        self.dataset, self.batch_size, self.world, self.rank = dataset, batch_size, world, rank
+        self.seed, self.pad_token_id, self.micro_step = seed, pad_token_id, 0
+        self.per_epoch = max(1, len(dataset) // (batch_size * world))
+
+    def indices(self, micro_step: int) -> list[int]:
+        epoch, pos = divmod(micro_step, self.per_epoch)
+        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed * 1000 + epoch))
+        glob = self.batch_size * self.world
+        chunk = order[pos * glob:(pos + 1) * glob].tolist()
+        chunk = (chunk * self.world)[:glob] if len(chunk) < glob else chunk  # tiny datasets: wrap around
+        return chunk[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+
+    def next(self) -> tuple[list[int], dict]:
+        """(dataset indices, collated batch) for the current position; advances the position."""
+        from draftlab.data import collate
+
+        idx = self.indices(self.micro_step)
+        self.micro_step += 1
+        return idx, collate([self.dataset[i] for i in idx], self.pad_token_id)
+
+
+@torch.no_grad()
+def features_for(target, batch: dict, rows: list[int], layers: tuple[int, ...], cache: dict | None):
+    """Target features [B, T, F] for a right-padded batch: one target forward, or the in-memory cache when every
+    row of the batch was seen before (`train.cache_features`)."""
+    from draftlab.target import target_features
+
+    lengths = batch["attention_mask"].sum(1).tolist()
+    if cache is not None and all(r in cache for r in rows):
+        feats = torch.zeros(*batch["input_ids"].shape, cache[rows[0]].shape[-1], dtype=cache[rows[0]].dtype)
+        for b, r in enumerate(rows):
+            feats[b, : lengths[b]] = cache[r]
+        return feats.to(batch["input_ids"].device)
+    out = target.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                            output_hidden_states=True)
+    feats = target_features(out.hidden_states, layers)
+    if cache is not None:
+        for b, r in enumerate(rows):
+            cache[r] = feats[b, : lengths[b]].detach().cpu()
+    return feats
+
+
+def lr_lambda(tc):
+    """Linear warm-up, then constant / linear / cosine decay to 10% of the peak at max_steps."""
+    def f(step: int) -> float:
+        if step < tc.warmup_steps:
+            return (step + 1) / tc.warmup_steps
+        if tc.schedule == "constant":
+            return 1.0
+        frac = (step - tc.warmup_steps) / max(1, tc.max_steps - tc.warmup_steps)
+        decay = 1 - frac if tc.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+        return 0.1 + 0.9 * decay
+    return f
+
+
+class DrafterLoss(torch.nn.Module):
+    """Wraps `drafter.loss` as `forward`, so DDP/DeepSpeed see the call and synchronise gradients."""
+
+    def __init__(self, drafter: torch.nn.Module):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, batch: dict, features):
+        return self.drafter.loss(batch, features)
+
+
+def restore(folder: Path, drafter, optimizer, scheduler) -> dict:
+    """Weights, optimiser, schedule, RNG streams and data position from a step folder."""
+    from safetensors.torch import load_file
+
+    drafter.load_state_dict(load_file(str(folder / ckpt.WEIGHTS_NAME)), strict=False)
+    state = ckpt.load_trainer_state(folder)
+    optimizer.load_state_dict(state.pop("optimizer"))
+    scheduler.load_state_dict(state.pop("scheduler"))
+    rng = state.pop("rng")
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if torch.cuda.is_available() and rng.get("cuda") is not None:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return state
+
+
+class InLoopEvaluator:
+    """Scores the drafter by real speculative decoding on fixed prompts; target-only outputs and timings are
+    computed once (first call) and reused by every later evaluation."""
+
+    def __init__(self, cfg, target, tokenizer):
+        from draftlab.data import encode_prompt, load_prompts
+
+        self.cfg, self.target = cfg, target
+        prompts = load_prompts(cfg.data.eval_prompts, limit=cfg.eval.num_prompts)
+        self.prompt_ids = [encode_prompt(tokenizer, p.messages) for p in prompts]
+        self.categories = [p.category for p in prompts]
+        self.eos = eos_ids(tokenizer, target)
+        self.baseline = None
+
+    def __call__(self, drafter) -> dict:
+        from draftlab.evaluator import evaluate, run_baseline
+        from draftlab.trees import TreeSpec
+        from draftlab.verify import Sampling
+
+        e = self.cfg.eval
+        spec = TreeSpec(kind=e.tree, draft_length=e.draft_length, depth=e.depth, top_k=e.top_k,
+                        total_tokens=e.total_tokens)
+        sampling = Sampling(temperature=e.temperature)
+        if self.baseline is None:
+            self.baseline = run_baseline(self.target, self.prompt_ids, max_new_tokens=e.max_new_tokens,
+                                         eos_token_ids=self.eos, sampling=sampling, seed=e.seed)
+        was_training = drafter.training
+        drafter.eval()
+        report = evaluate(self.target, drafter.proposer(self.target), self.prompt_ids, spec=spec, sampling=sampling,
+                          max_new_tokens=e.max_new_tokens, eos_token_ids=self.eos, baseline=self.baseline,
+                          categories=self.categories, seed=e.seed, progress=False)
+        drafter.train(was_training)
+        return report
+
+
+def eos_ids(tokenizer, target) -> list[int]:
+    ids = {tokenizer.eos_token_id, getattr(target.generation_config, "eos_token_id", None)}
+    flat = set()
+    for i in ids:
+        flat.update(i if isinstance(i, (list, tuple)) else [i])
+    return sorted(i for i in flat if i is not None)
+
+
+def checkpoint_step(cfg, out_dir: Path, step: int, drafter, optimizer, scheduler, state: dict, evaluator,
+                    accelerator) -> None:
+    """Evaluate (when given an evaluator), then write step_N atomically, update `best`, prune, plot."""
+    extra = {}
+    if evaluator is not None:
+        t0 = time.perf_counter()
+        report = evaluator(drafter)
+        report["step"] = step
+        report["eval_seconds"] = time.perf_counter() - t0
+        extra["eval.json"] = json.dumps(report, indent=2)
+        tau = report["acceptance_length"]
+        state["history"].append({"step": step, "tau": tau, "speedup": report.get("speedup"),
+                                 "per_position_acceptance": report["per_position_acceptance"]})
+        if state["best_tau"] is None or tau >= state["best_tau"]:
+            state["best_tau"], state["best_step"] = tau, step
+        log_metrics(out_dir, {"step": step, "eval/acceptance_length": tau, "eval/speedup": report.get("speedup"),
+                              "eval/lossless": report.get("lossless"), "eval/seconds": report["eval_seconds"]},
+                    accelerator)
+        tqdm.write(f"step {step}: tau {tau:.3f} (k={cfg.eval.draft_length}, {cfg.eval.tree}), "
+                   f"speedup {report.get('speedup', float('nan')):.2f}x, lossless {report.get('lossless')}")
+    trainer_state = {**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                     "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                             "python": random.getstate(),
+                             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                     "world_size": accelerator.num_processes}
+    ckpt.save_drafter(drafter, out_dir / f"step_{step}", extra_files=extra, trainer_state=trainer_state)
+    if state["best_step"] is not None:
+        (out_dir / "best").write_text(f"step_{state['best_step']}\n")
+    prune(out_dir, cfg.train.keep_last, state["best_step"])
+    if state["history"]:
+        from draftlab.plots import plot_tau_curve
+
+        plot_tau_curve(state["history"], out_dir / "tau.png", draft_length=cfg.eval.draft_length)
+
+
+def prune(out_dir: Path, keep_last: int, best_step) -> None:
+    if keep_last <= 0:
+        return
+    steps = ckpt.step_folders(out_dir)
+    for folder in steps[:-keep_last]:
+        if best_step is None or folder.name != f"step_{best_step}":
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def log_metrics(out_dir: Path, row: dict, accelerator) -> None:
+    with open(out_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+    if accelerator.trackers:
+        accelerator.log(numeric, step=row["step"])
+
+
+def flat_config(cfg) -> dict:
+    from omegaconf import OmegaConf
+
+    out = {}
+    for section, values in OmegaConf.to_container(cfg).items():
+        if isinstance(values, dict):
+            out.update({f"{section}.{k}": v for k, v in values.items()})
+        else:
+            out[section] = values
+    return out
+
+
+def print_summary(summary: dict) -> None:
+    hist = summary["history"]
+    if not hist:
+        print(f"done: {summary['steps']} steps, checkpoints in {summary['out_dir']}")
+        return
+    first, best = hist[0], max(hist, key=lambda h: h["tau"])
+    print(f"done: {summary['steps']} steps; best step_{summary['best_step']}: tau {best['tau']:.3f}, "
+          f"speedup {best['speedup'] or float('nan'):.2f}x  (step_{first['step']}: tau {first['tau']:.3f}); "
+          f"checkpoints in {summary['out_dir']}")
+
+
+def cli(argv: list[str] | None = None) -> int:
+    """Entry point shared by `python draftlab/train.py`, `accelerate launch` and `draftlab train`."""
+    from draftlab.cli import run_guarded
+
+    return run_guarded(lambda: main(load_config(list(sys.argv[1:] if argv is None else argv))))
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
