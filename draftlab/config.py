@@ -45,6 +45,9 @@ class DataConfig:
     """Use at most this many training conversations (0 = all)."""
     strict: bool = False
     """Fail on the first malformed data row instead of counting and skipping it."""
+    store: str = ""
+    """Offline store for data.train (target features and/or top-k logits, sharded safetensors): the training step
+    reads it instead of running the target. Built on first use when missing ('' = online: target in the loop)."""
     regenerate_from: str = ""
     """When `data.train` does not exist yet: prompts file the target answers first to create it (cached, resumable)."""
     regenerate_num: int = 0

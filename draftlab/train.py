@@ -90,6 +90,12 @@ def main(cfg) -> dict:
     # --- the loop ------------------------------------------------------------------------------------------
     feature_layers = tuple(getattr(drafter, "feature_layers", ()))
     cache = {} if cfg.train.cache_features else None
+    store = None
+    if cfg.data.store:
+        from draftlab.store import ensure_store
+
+        store = ensure_store(cfg.data.store, target, tokenizer, dataset, feature_layers=feature_layers,
+                             topk_logits=getattr(drafter, "teacher_topk", 0), accelerator=accelerator)
     progress = tqdm(total=cfg.train.max_steps, initial=state["step"], disable=not is_main, desc="train",
                     dynamic_ncols=True)
     window = {"tokens": 0, "start": time.perf_counter()}
@@ -99,7 +105,13 @@ def main(cfg) -> dict:
         for micro in range(cfg.train.grad_accum):
             rows, batch = batches.next()
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-            features = features_for(target, batch, rows, feature_layers, cache) if feature_layers else None
+            if store is not None:  # offline: features / teacher logits come from disk
+                extra = store.batch(rows, batch["input_ids"].shape[1])
+                features = extra.pop("features", None)
+                batch.update({k: v.to(accelerator.device) for k, v in extra.items()})
+                features = features.to(accelerator.device) if features is not None else None
+            else:
+                features = features_for(target, batch, rows, feature_layers, cache) if feature_layers else None
             last = micro == cfg.train.grad_accum - 1
             with accelerator.no_sync(model) if not last else nullcontext():
                 with accelerator.autocast():
