@@ -1,0 +1,232 @@
+"""The speculative decoding loop that scores every drafter, the target-only baseline, and `evaluate`.
+
+One round = proposer.propose -> ONE target forward over (root, tree nodes) with a tree attention mask
+over the target's KV cache -> acceptance (verify.py) -> the cache is compacted to the accepted path ->
+proposer.commit. The target's cache always holds every committed token except the newest (the root).
+Counting (ARCHITECTURE.md): the prefill forward and its first token are not counted; each round is one
+target forward and yields accepted + 1 tokens, counted before truncation at EOS / max_new_tokens.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from draftlab.report import build_report, report_markdown, save_plots, summary_line, write_report  # noqa: F401
+from draftlab.target import target_features
+from draftlab.trees import TreeSpec, tree_attention_bias, tree_position_ids
+from draftlab.verify import Sampling, accept
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's decoding. tokens: emitted ids after the prompt (first token included), truncated."""
+
+    tokens: list[int]
+    seconds: float
+    accepted: list[int] = field(default_factory=list)      # per round: accepted draft nodes
+    draft_nodes: list[int] = field(default_factory=list)   # per round: nodes in the proposed tree
+    draft_depth: list[int] = field(default_factory=list)   # per round: depth of the proposed tree
+
+    @property
+    def rounds(self) -> int:
+        return len(self.accepted)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(self.accepted) + self.rounds
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued kernels so wall-clock timings cover the work (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _eos_set(eos_token_ids) -> set[int]:
+    if eos_token_ids is None:
+        return set()
+    if isinstance(eos_token_ids, int):
+        return {eos_token_ids}
+    return {int(t) for t in eos_token_ids}
+
+
+def _append(out: list[int], new: list[int], eos: set[int], max_new_tokens: int) -> bool:
+    """Append `new` to `out` up to the first EOS (kept) and max_new_tokens; True when decoding must stop."""
+    for t in new:
+        out.append(t)
+        if t in eos or len(out) >= max_new_tokens:
+            return True
+    return False
+
+
+def compact_cache(cache: DynamicCache, start: int, keep: Tensor) -> None:
+    """Keep cache positions [0, start) followed by positions start + keep (in that order); drop the rest.
+
+    keep [m]: offsets into the block the last forward appended (0 = the root). The chain case (keep is
+    0..m-1) is a plain crop; a branch in a tree needs a gather. `crop()` cannot do the latter.
+    """
+    m = int(keep.shape[0])
+    contiguous = bool((keep == torch.arange(m, device=keep.device)).all())
+    index = None if contiguous else torch.cat([torch.arange(start, device=keep.device), start + keep])
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        if hasattr(layer, "cumulative_length"):
+            raise NotImplementedError("sliding-window cache layers cannot be compacted to a tree path")
+        if contiguous:
+            layer.keys = layer.keys[..., : start + m, :]
+            layer.values = layer.values[..., : start + m, :]
+        else:
+            idx = index.to(layer.keys.device)
+            layer.keys = layer.keys.index_select(-2, idx)
+            layer.values = layer.values.index_select(-2, idx)
+
+
+def _features(out, layers: tuple[int, ...]) -> Tensor | None:
+    """[T, F] target features of a batch-1 forward, or None when the proposer needs none."""
+    return target_features(out.hidden_states, layers)[0] if layers else None
+
+
+@torch.inference_mode()
+def speculative_generate(target, proposer, prompt_ids: Tensor, spec: TreeSpec, sampling: Sampling,
+                         max_new_tokens: int, eos_token_ids=None,
+                         generator: torch.Generator | None = None) -> GenerationResult:
+    """Decode one prompt (prompt_ids [P]) speculatively; the result holds the tokens and per-round counts."""
+    device = target.device
+    layers = tuple(proposer.feature_layers)
+    eos = _eos_set(eos_token_ids)
+    prompt = prompt_ids.to(device).long()
+    _sync(device)
+    start = time.perf_counter()
+
+    cache = DynamicCache(config=target.config)
+    proposer.reset(prompt)
+    out = target(input_ids=prompt[None], past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
+    root = sampling.sample(out.logits[0, -1], generator).reshape(1)
+    proposer.commit(root, _features(out, layers))
+    result = GenerationResult(tokens=[], seconds=0.0)
+    done = max_new_tokens <= 0 or _append(result.tokens, root.tolist(), eos, max_new_tokens)
+
+    while not done:
+        tree = proposer.propose(spec, sampling, generator)
+        prefix = cache.get_seq_length()
+        ids = torch.cat([root, tree.tokens.to(device)])[None]
+        if tree.max_depth == len(tree):      # a chain (or nothing): the model's own causal mask is the tree mask
+            mask = positions = None
+        else:
+            parents = tree.parents.to(device)
+            mask = tree_attention_bias(parents, prefix, target.dtype)
+            positions = tree_position_ids(parents, prefix)[None]
+        out = target(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                     use_cache=True, output_hidden_states=bool(layers))
+        verdict = accept(tree, out.logits[0], sampling, generator)
+
+        keep = torch.tensor([0] + [c + 1 for c in verdict.path], device=device)
+        compact_cache(cache, prefix, keep)
+        new = tree.tokens[verdict.path].tolist() + [verdict.bonus]
+        root = torch.tensor([verdict.bonus], device=device)
+        feats = _features(out, layers)
+        proposer.commit(torch.tensor(new, device=device), feats[keep] if feats is not None else None)
+
+        result.accepted.append(len(verdict.path))
+        result.draft_nodes.append(len(tree))
+        result.draft_depth.append(tree.max_depth)
+        done = _append(result.tokens, new, eos, max_new_tokens)
+
+    _sync(device)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+@torch.inference_mode()
+def target_generate(target, prompt_ids: Tensor, max_new_tokens: int, eos_token_ids=None,
+                    sampling: Sampling | None = None, generator: torch.Generator | None = None) -> GenerationResult:
+    """Plain target-only decoding with a KV cache (the baseline), timed like `speculative_generate`."""
+    sampling = sampling or Sampling()
+    device = target.device
+    eos = _eos_set(eos_token_ids)
+    prompt = prompt_ids.to(device).long()
+    _sync(device)
+    start = time.perf_counter()
+
+    cache = DynamicCache(config=target.config)
+    out = target(input_ids=prompt[None], past_key_values=cache, use_cache=True)
+    token = sampling.sample(out.logits[0, -1], generator).reshape(1)
+    result = GenerationResult(tokens=[], seconds=0.0)
+    done = max_new_tokens <= 0 or _append(result.tokens, token.tolist(), eos, max_new_tokens)
+    while not done:
+        out = target(input_ids=token[None], past_key_values=cache, use_cache=True)
+        token = sampling.sample(out.logits[0, -1], generator).reshape(1)
+        result.accepted.append(0)            # one target forward, one token: tau = 1
+        result.draft_nodes.append(0)
+        result.draft_depth.append(0)
+        done = _append(result.tokens, token.tolist(), eos, max_new_tokens)
+
+    _sync(device)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _generator(device: torch.device, seed: int, index: int) -> torch.Generator:
+    """One generator per prompt, so a prompt's draws do not depend on which prompts ran before it."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
+
+
+def run_baseline(target, prompts: list[Tensor], *, sampling: Sampling, max_new_tokens: int, eos_token_ids=None,
+                 seed: int = 0, progress: bool = True, warmup: bool = True) -> dict:
+    """Target-only outputs and timings for a prompt set, computed once and reusable by every `evaluate`.
+
+    Returns {"outputs": [[ids]...], "seconds": [...], "tokens_per_second", "max_new_tokens", "sampling", "seed"}.
+    """
+    device = target.device
+    if warmup and prompts:
+        target_generate(target, prompts[0], min(4, max_new_tokens), eos_token_ids, sampling,
+                        _generator(device, seed, 0))
+    results = [target_generate(target, p, max_new_tokens, eos_token_ids, sampling, _generator(device, seed, i))
+               for i, p in enumerate(tqdm(prompts, desc="target-only", disable=not progress, leave=False))]
+    seconds = sum(r.seconds for r in results)
+    return {
+        "outputs": [r.tokens for r in results],
+        "seconds": [r.seconds for r in results],
+        "tokens_per_second": sum(len(r.tokens) for r in results) / seconds if seconds > 0 else None,
+        "max_new_tokens": max_new_tokens,
+        "sampling": sampling.to_dict(),
+        "seed": seed,
+    }
+
+
+def _check_baseline(baseline: dict, prompts: list[Tensor], sampling: Sampling, max_new_tokens: int) -> None:
+    if (len(baseline["outputs"]) != len(prompts) or baseline["max_new_tokens"] != max_new_tokens
+            or baseline["sampling"] != sampling.to_dict()):
+        raise ValueError(f"the baseline was run on {len(baseline['outputs'])} prompts, max_new_tokens="
+                         f"{baseline['max_new_tokens']}, sampling {baseline['sampling']}; this evaluation uses "
+                         f"{len(prompts)}, {max_new_tokens}, {sampling.to_dict()}: run run_baseline again")
+
+
+def evaluate(target, proposer, prompts: list[Tensor], *, spec: TreeSpec, sampling: Sampling, max_new_tokens: int,
+             eos_token_ids=None, baseline: dict | None = None, categories: list[str] | None = None,
+             seed: int = 0, progress: bool = True, warmup: bool = True) -> dict:
+    """Speculate on every prompt ([P_i] each) and return the report dict (see report.build_report).
+
+    baseline: from `run_baseline` with the same prompts / sampling / max_new_tokens (computed here if None).
+    Greedy outputs are compared token by token with the baseline's (`lossless`).
+    """
+    wall = time.perf_counter()
+    device = target.device
+    if baseline is None:
+        baseline = run_baseline(target, prompts, sampling=sampling, max_new_tokens=max_new_tokens,
+                                eos_token_ids=eos_token_ids, seed=seed, progress=progress, warmup=warmup)
+    _check_baseline(baseline, prompts, sampling, max_new_tokens)
+    if warmup and prompts:
+        speculative_generate(target, proposer, prompts[0], spec, sampling, min(4, max_new_tokens),
+                             eos_token_ids, _generator(device, seed, 0))
+    results = [speculative_generate(target, proposer, p, spec, sampling, max_new_tokens, eos_token_ids,
+                                    _generator(device, seed, i))
+               for i, p in enumerate(tqdm(prompts, desc="speculating", disable=not progress, leave=False))]
+    return build_report(results, baseline, spec=spec, sampling=sampling, categories=categories,
+                        wall_seconds=time.perf_counter() - wall)

@@ -1,0 +1,179 @@
+"""The evaluation report: the JSON dict (DESIGN.md keys), a markdown table, a one-line summary, plots.
+
+Counting rules (ARCHITECTURE.md): rounds == target forwards (prefill excluded); new_tokens = sum over rounds
+of (accepted + 1) before truncation; acceptance_length (tau) = new_tokens / target_forwards, micro-averaged
+over all rounds of all prompts; the per-sample list and its mean (macro) are reported too.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from draftlab.trees import TreeSpec
+from draftlab.verify import Sampling
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _tau(results) -> float | None:
+    return _ratio(sum(r.new_tokens for r in results), sum(r.rounds for r in results))
+
+
+def build_report(results: list, baseline: dict, *, spec: TreeSpec, sampling: Sampling,
+                 categories: list[str] | None = None, wall_seconds: float | None = None) -> dict:
+    """results: evaluator.GenerationResult per prompt; baseline: evaluator.run_baseline's dict."""
+    rounds = sum(r.rounds for r in results)
+    accepted = [a for r in results for a in r.accepted]
+    depths = [d for r in results for d in r.draft_depth]
+    max_depth = max([spec.max_depth, *depths])
+    # share of rounds whose draft token at depth i+1 was accepted, and the same among the rounds where that
+    # depth was reached with all earlier drafts accepted (EAGLE's n-alpha)
+    per_position = [_ratio(sum(a > i for a in accepted), rounds) or 0.0 for i in range(max_depth)]
+    conditional = [_ratio(sum(a > i for a in accepted), sum(a >= i and d > i for a, d in zip(accepted, depths)))
+                   for i in range(max_depth)]
+    per_sample = [_ratio(r.new_tokens, r.rounds) for r in results]
+    defined = [t for t in per_sample if t is not None]
+
+    emitted = sum(len(r.tokens) for r in results)
+    seconds = sum(r.seconds for r in results)
+    tps = _ratio(emitted, seconds)
+    base_tps = baseline.get("tokens_per_second")
+    mismatched = [i for i, (r, b) in enumerate(zip(results, baseline["outputs"])) if r.tokens != list(b)]
+
+    report = {
+        "acceptance_length": _tau(results),
+        "acceptance_length_per_sample": per_sample,
+        "acceptance_length_macro": sum(defined) / len(defined) if defined else None,
+        "per_position_acceptance": per_position,
+        "per_position_conditional_acceptance": conditional,
+        "rounds": rounds,
+        "new_tokens": sum(r.new_tokens for r in results),
+        "target_forwards": rounds,
+        "generated_tokens": emitted,
+        "mean_draft_nodes": _ratio(sum(n for r in results for n in r.draft_nodes), rounds),
+        "draft_length": spec.max_depth,
+        "temperature": float(sampling.temperature),
+        "sampling": sampling.to_dict(),
+        "lossless": (not mismatched) if sampling.greedy else None,
+        "lossless_mismatched_prompts": mismatched if sampling.greedy else None,
+        "tokens_per_second": tps,
+        "baseline_tokens_per_second": base_tps,
+        "speedup": _ratio(tps, base_tps) if tps is not None and base_tps else None,
+        "num_prompts": len(results),
+        "tree": spec.to_dict(),
+        "wall_seconds": wall_seconds,
+    }
+    if categories is not None:
+        groups: dict[str, list] = {}
+        for r, c in zip(results, categories):
+            groups.setdefault(str(c), []).append(r)
+        report["per_category"] = {c: {"acceptance_length": _tau(rs), "num_prompts": len(rs)}
+                                  for c, rs in sorted(groups.items())}
+    return report
+
+
+def _clean(x):
+    """NaN/inf are not JSON: write them as null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_report(report: dict, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_clean(report), indent=2) + "\n")
+
+
+def _fmt(x, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _tree_label(report: dict) -> str:
+    tree = report.get("tree") or {}
+    kind = tree.get("kind", "chain")
+    if kind == "chain":
+        return f"chain k={tree.get('draft_length')}"
+    if kind == "dynamic":
+        return f"dynamic depth={tree.get('depth')} top_k={tree.get('top_k')} total={tree.get('total_tokens')}"
+    return f"static {len(tree.get('choices') or [])} nodes"
+
+
+def summary_line(report: dict) -> str:
+    """One line for logs: tau, speedup, losslessness."""
+    parts = [f"tau {_fmt(report['acceptance_length'], 2)} ({_tree_label(report)}, T={report['temperature']:g})",
+             f"{_fmt(report['tokens_per_second'], 1)} tok/s vs {_fmt(report['baseline_tokens_per_second'], 1)}"
+             f" target-only = {_fmt(report['speedup'], 2)}x"]
+    if report.get("lossless") is not None:
+        parts.append(f"lossless {_fmt(report['lossless'])}")
+    parts.append(f"{report['num_prompts']} prompts")
+    return " | ".join(parts)
+
+
+def report_markdown(report: dict) -> str:
+    """A markdown table a user can paste (model card, PR)."""
+    rows = [
+        ("acceptance length tau (micro)", _fmt(report["acceptance_length"])),
+        ("tau, mean per prompt (macro)", _fmt(report.get("acceptance_length_macro"))),
+        ("draft", _tree_label(report)),
+        ("temperature", _fmt(report["temperature"], 2)),
+        ("per-position acceptance", ", ".join(_fmt(x, 2) for x in report["per_position_acceptance"])),
+        ("rounds (target forwards)", _fmt(report["rounds"])),
+        ("new tokens", _fmt(report["new_tokens"])),
+        ("tokens/s speculative", _fmt(report["tokens_per_second"], 1)),
+        ("tokens/s target-only", _fmt(report["baseline_tokens_per_second"], 1)),
+        ("speedup", _fmt(report["speedup"], 2) + "x" if report["speedup"] is not None else "-"),
+        ("lossless (greedy identity)", _fmt(report["lossless"]) if report["lossless"] is not None else "n/a"),
+        ("prompts", _fmt(report["num_prompts"])),
+    ]
+    lines = ["| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    if report.get("per_category"):
+        lines += ["", "| category | tau | prompts |", "|---|---|---|"]
+        lines += [f"| {c} | {_fmt(v['acceptance_length'])} | {v['num_prompts']} |"
+                  for c, v in report["per_category"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def save_plots(report: dict, out_dir: str | Path, prefix: str = "eval") -> list[str]:
+    """PNG plots: per-position acceptance bars, and tau per category when present. Returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    acc = report["per_position_acceptance"]
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.bar(range(1, len(acc) + 1), acc, color="tab:blue")
+    ax.set(xlabel="draft depth", ylabel="share of rounds accepted", ylim=(0, 1),
+           title=f"tau = {_fmt(report['acceptance_length'], 2)}")
+    fig.tight_layout()
+    paths.append(str(out_dir / f"{prefix}_per_position.png"))
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    cats = report.get("per_category")
+    if cats:
+        fig, ax = plt.subplots(figsize=(max(4, 0.8 * len(cats)), 3))
+        ax.bar(list(cats), [v["acceptance_length"] or 0 for v in cats.values()], color="tab:green")
+        ax.set(ylabel="tau", title="acceptance length per category")
+        ax.tick_params(axis="x", labelrotation=45)
+        fig.tight_layout()
+        paths.append(str(out_dir / f"{prefix}_per_category.png"))
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    return paths

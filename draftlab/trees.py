@@ -1,0 +1,246 @@
+"""Draft trees: the structure a proposer hands to the verifier, and the masks/positions the target needs.
+
+A tree has an implicit *root* (the newest committed token, not yet seen by the target) and N draft nodes.
+Node i carries a token and a parent pointer (-1 = the root); parents always precede their children, so a
+chain of k drafts is `parents = [-1, 0, 1, ..., k-2]`. Wherever a tensor covers "root + nodes" (the
+target's tree forward, its logits), row 0 is the root and row i+1 is node i.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+PROPOSALS = ("topk", "with_replacement", "without_replacement")
+TREE_KINDS = ("chain", "static", "dynamic")
+
+# EAGLE-1's default static tree (method_specs 1.5): 25 nodes, depth 5; path [i1, i2, ...] means
+# "top-i1 token after the root, then the top-i2 token after that one, ...".
+EAGLE_DEFAULT_CHOICES: list[list[int]] = [
+    [0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
+    [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0],
+    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1],
+]
+
+
+@dataclass
+class TreeSpec:
+    """What shape of draft the evaluator asks a proposer for each round."""
+
+    kind: str = "chain"
+    """chain | static | dynamic."""
+    draft_length: int = 5
+    """chain: k draft tokens per round."""
+    choices: list[list[int]] | None = None
+    """static: Medusa-style paths of top-i indices per depth; None = EAGLE_DEFAULT_CHOICES."""
+    depth: int = 5
+    """dynamic (EAGLE-2): deepest draft level; nodes sit at depths 1..depth."""
+    top_k: int = 8
+    """dynamic: branching per expansion (children per expanded node, and frontier width)."""
+    total_tokens: int = 48
+    """dynamic: nodes kept after reranking (root excluded)."""
+
+    def __post_init__(self):
+        if self.kind not in TREE_KINDS:
+            raise ValueError(f"tree kind {self.kind!r} is not one of {TREE_KINDS}")
+        if self.kind == "static" and self.choices is None:
+            self.choices = [list(c) for c in EAGLE_DEFAULT_CHOICES]
+
+    @property
+    def max_depth(self) -> int:
+        """The deepest draft level this spec asks for (length of per-position acceptance)."""
+        if self.kind == "chain":
+            return self.draft_length
+        if self.kind == "static":
+            return max(len(c) for c in self.choices)
+        return self.depth
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class DraftTree:
+    """A proposal: N draft nodes below the (implicit) root.
+
+    tokens [N] long; parents [N] long (-1 = root, parents precede children);
+    q [N, V] or None: the processed draft distribution node i was drawn from (the draft's distribution at
+    its parent), needed for stochastic verification of sampled proposals; None for deterministic ones.
+    proposal: "topk" (deterministic: greedy / top-k children), "with_replacement" (children drawn i.i.d.
+    from q), "without_replacement" (children drawn one after another with earlier siblings excluded).
+    """
+
+    tokens: Tensor
+    parents: Tensor
+    q: Tensor | None = None
+    proposal: str = "topk"
+    depths: Tensor = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if self.proposal not in PROPOSALS:
+            raise ValueError(f"proposal {self.proposal!r} is not one of {PROPOSALS}")
+        if self.tokens.shape != self.parents.shape or self.tokens.dim() != 1:
+            raise ValueError(f"tokens {tuple(self.tokens.shape)} and parents {tuple(self.parents.shape)} must be [N]")
+        if self.q is not None and self.q.shape[0] != self.tokens.shape[0]:
+            raise ValueError(f"q has {self.q.shape[0]} rows for {self.tokens.shape[0]} nodes")
+        self.depths = node_depths(self.parents)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max()) if len(self) else 0
+
+
+def empty_tree(device: torch.device | str = "cpu") -> DraftTree:
+    """A tree with no draft nodes: the round is one plain target step."""
+    none = torch.zeros(0, dtype=torch.long, device=device)
+    return DraftTree(none, none.clone())
+
+
+def chain(tokens: Tensor, q: Tensor | None = None, proposal: str | None = None) -> DraftTree:
+    """A chain tree: tokens [k] drafted one after another; q [k, V] the distributions they were drawn from."""
+    k = int(tokens.shape[0])
+    parents = torch.arange(-1, k - 1, device=tokens.device)
+    return DraftTree(tokens, parents, q, proposal or ("topk" if q is None else "with_replacement"))
+
+
+def node_depths(parents: Tensor) -> Tensor:
+    """parents [N] -> depths [N] (children of the root have depth 1)."""
+    depths = torch.zeros_like(parents)
+    par = parents.tolist()
+    out = [0] * len(par)
+    for i, p in enumerate(par):
+        if p >= i:
+            raise ValueError(f"node {i} has parent {p}: parents must precede their children")
+        out[i] = 1 if p < 0 else out[p] + 1
+    if out:
+        depths.copy_(torch.tensor(out, device=parents.device))
+    return depths
+
+
+def tree_attention_mask(parents: Tensor) -> Tensor:
+    """parents [N] -> bool [N+1, N+1] over (root, nodes): entry (i, j) is True iff j is an ancestor of i or i.
+
+    Built row by row: a node sees what its parent sees, plus itself.
+    """
+    n = int(parents.shape[0])
+    mask = torch.eye(n + 1, dtype=torch.bool)
+    mask[:, 0] = True
+    for i, p in enumerate(parents.tolist()):
+        mask[i + 1] |= mask[p + 1]
+    return mask.to(parents.device)
+
+
+def tree_position_ids(parents: Tensor, prefix_len: int) -> Tensor:
+    """Position ids [N+1] of (root, nodes): prefix_len + depth, where prefix_len = tokens already cached."""
+    depths = node_depths(parents)
+    return prefix_len + torch.cat([depths.new_zeros(1), depths])
+
+
+def tree_attention_bias(parents: Tensor, prefix_len: int, dtype: torch.dtype) -> Tensor:
+    """The 4-D additive mask [1, 1, N+1, prefix_len + N+1] for a target forward over (root, nodes).
+
+    The cached prefix is fully visible; within the tree a row sees its ancestors and itself.
+    0 = attend, dtype-min = masked (what sdpa/eager attention take as a float mask).
+    """
+    tree = tree_attention_mask(parents)
+    n1 = tree.shape[0]
+    bias = torch.zeros(1, 1, n1, prefix_len + n1, dtype=dtype, device=parents.device)
+    bias[0, 0, :, prefix_len:].masked_fill_(~tree, torch.finfo(dtype).min)
+    return bias
+
+
+def children_lists(parents: Tensor) -> list[list[int]]:
+    """parents [N] -> N+1 lists of children (node indices), entry 0 for the root, entry i+1 for node i."""
+    kids: list[list[int]] = [[] for _ in range(int(parents.shape[0]) + 1)]
+    for i, p in enumerate(parents.tolist()):
+        kids[p + 1].append(i)
+    return kids
+
+
+def root_to_leaf_paths(parents: Tensor) -> list[list[int]]:
+    """One path per leaf, in leaf order: the node indices from depth 1 down to that leaf."""
+    par = parents.tolist()
+    has_child = set(p for p in par if p >= 0)
+    paths = []
+    for leaf in range(len(par)):
+        if leaf in has_child:
+            continue
+        path, node = [], leaf
+        while node >= 0:
+            path.append(node)
+            node = par[node]
+        paths.append(path[::-1])
+    return paths
+
+
+def static_tree_layout(choices: list[list[int]]) -> tuple[Tensor, Tensor]:
+    """Medusa-style choice list -> (parents [N], ranks [N]) with nodes ordered by depth, then path.
+
+    Node for path [i1, ..., id] has the node of [i1, ..., i(d-1)] as parent and rank id (its top-id index).
+    Every prefix of a path must itself be in the list.
+    """
+    paths = sorted({tuple(c) for c in choices}, key=lambda c: (len(c), c))
+    index = {c: i for i, c in enumerate(paths)}
+    parents, ranks = [], []
+    for c in paths:
+        if not c:
+            raise ValueError("empty path in tree choices")
+        if len(c) > 1 and c[:-1] not in index:
+            raise ValueError(f"tree choice {list(c)} has no parent {list(c[:-1])} in the list")
+        parents.append(index[c[:-1]] if len(c) > 1 else -1)
+        ranks.append(c[-1])
+    return torch.tensor(parents, dtype=torch.long), torch.tensor(ranks, dtype=torch.long)
+
+
+def static_tree(choices: list[list[int]], candidates: list[Tensor]) -> DraftTree:
+    """A Medusa-style (Cartesian) static tree: the token at depth d with rank r is candidates[d-1][r].
+
+    candidates: per depth, the ranked candidate tokens [>= max rank + 1] (e.g. head d's top-k), shared by
+    every parent at that depth because Medusa heads all read the same hidden state. Deterministic ("topk").
+    """
+    parents, ranks = static_tree_layout(choices)
+    depths = node_depths(parents)
+    tokens = torch.stack([candidates[int(d) - 1][int(r)] for d, r in zip(depths, ranks)]) if len(ranks) \
+        else torch.zeros(0, dtype=torch.long)
+    device = candidates[0].device if candidates else "cpu"
+    return DraftTree(tokens.to(device), parents.to(device), None, "topk")
+
+
+def rerank(parents: Tensor, scores: Tensor, total_tokens: int) -> tuple[Tensor, Tensor]:
+    """EAGLE-2 reranking: keep the best `total_tokens` candidates as a valid subtree.
+
+    parents [M] (-1 = root, parents precede children), scores [M] (cumulative log-probs along each path).
+    Returns (keep [n] node indices in creation order, so parents precede children; new_parents [n]
+    pointing into the kept list). Best-first over the frontier of the kept subtree, so a node is only kept
+    once its parent is: with scores non-increasing along paths this is exactly the top-`total_tokens`.
+    """
+    par = parents.tolist()
+    sc = scores.float().tolist()
+    kids = [[] for _ in range(len(par) + 1)]
+    for i, p in enumerate(par):
+        kids[p + 1].append(i)
+    heap = [(-sc[c], c) for c in kids[0]]
+    heapq.heapify(heap)
+    kept = []
+    while heap and len(kept) < total_tokens:
+        _, node = heapq.heappop(heap)
+        kept.append(node)
+        for c in kids[node + 1]:
+            heapq.heappush(heap, (-sc[c], c))
+    kept.sort()
+    where = {old: new for new, old in enumerate(kept)}
+    new_parents = [where[par[i]] if par[i] >= 0 else -1 for i in kept]
+    keep = torch.tensor(kept, dtype=torch.long, device=parents.device)
+    return keep, torch.tensor(new_parents, dtype=torch.long, device=parents.device)
+
+
+def subtree(tree: DraftTree, keep: Tensor, new_parents: Tensor) -> DraftTree:
+    """The tree restricted to `keep` (from `rerank`)."""
+    q = tree.q[keep] if tree.q is not None else None
+    return DraftTree(tree.tokens[keep], new_parents, q, tree.proposal)
