@@ -1,0 +1,343 @@
+"""EAGLE head: a feature-level autoregressive draft head (EAGLE-1 architecture, EAGLE-2 dynamic trees).
+
+Papers: Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty" (ICML 2024) and
+"EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees" (EMNLP 2024); method_specs.md 2.1-2.2.
+
+What it optimises: from the target's last hidden state f_t (after the final norm, the LM-head input) and the
+token x_{t+1}, one (or a few) Llama decoder layers predict the next hidden state f_{t+1}. The loss is
+smooth-L1 regression on f_{t+1} plus a soft cross-entropy between the head's token distribution
+lm_head(f^_{t+1}) and the target's own softmax(lm_head(f_{t+1})), both read through the target's frozen LM head.
+
+Alignment (the same in `loss`, `forward` and the proposer):
+    pair t = (f_t, x_{t+1}) sits at RoPE position t (counted over valid pairs, so left padding is harmless)
+    and is causal over pairs 0..t; its output f^_{t+1} is regressed on f_{t+1}, and lm_head(f^_{t+1}) is
+    matched to the target's distribution of x_{t+2}. Pair t is weighted by loss_mask[t+2]: the head is
+    being taught to draft token x_{t+2}, so it counts when that token is an assistant token. The last pair
+    (t = T-2) drafts a token outside the sample and gets weight 0.
+Noise: uniform U(-std/2, std/2) on the input features only, in training only. We leave out the reference
+code's extra factor 512/T: it makes the noise depend on the sample length (about +-0.8 at 64 tokens,
++-0.05 at 2048), while the paper describes a fixed U(-0.1, 0.1), which std = 0.2 gives here.
+"""
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+_DEFAULTS = {"num_layers": 1, "feature_noise": 0.2, "reg_weight": 1.0, "cls_weight": 0.1, "fc_bias": True}
+
+
+def _additive(visible: Tensor, dtype: torch.dtype) -> Tensor:
+    """Boolean visibility [..., q, k] -> additive float mask (0 = attend, dtype-min = masked), [B, 1, q, k]."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask if mask.dim() == 4 else mask.view(-1, 1, *mask.shape[-2:])
+
+
+class EagleHead(nn.Module):
+    """FC([emb(x_{t+1}); f_t]) -> Llama decoder layer(s) -> f^_{t+1}; tokens via the target's frozen LM head.
+
+    The embedding, LM head and rotary embedding are the target's own modules, held outside this module's
+    tree: they are never trained, never saved, and `.to()` on the head cannot alter the target.
+    """
+
+    kind = "eagle"
+    feature_layers = (-1,)
+
+    def __init__(self, target, num_layers: int = 1, feature_noise: float = 0.2, reg_weight: float = 1.0,
+                 cls_weight: float = 0.1, fc_bias: bool = True):
+        super().__init__()
+        decoder = target.get_decoder()
+        config = copy.deepcopy(target.config.get_text_config(decoder=True))
+        config.num_hidden_layers = num_layers
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = list(config.layer_types)[:num_layers]
+        # Tree drafting needs explicit 4-D masks, which flash-attention kernels do not take.
+        if config._attn_implementation not in ("eager", "sdpa"):
+            config._attn_implementation = "sdpa"
+        self.num_layers, self.feature_noise = num_layers, feature_noise
+        self.reg_weight, self.cls_weight, self.fc_bias = reg_weight, cls_weight, fc_bias
+        self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
+        from draftlab.target import target_fingerprint
+        self.target_fingerprint = target_fingerprint(target)
+
+        d = config.hidden_size
+        self.fc = nn.Linear(2 * d, d, bias=fc_bias)
+        layer_cls = type(decoder.layers[0])
+        self.layers = nn.ModuleList(layer_cls(config, layer_idx=i) for i in range(num_layers))
+        # EAGLE-1: the fused input is not normalised before the first attention.
+        self.layers[0].input_layernorm = nn.Identity()
+
+        embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        for module in (embed, lm_head):
+            module.requires_grad_(False)
+        self._borrowed = SimpleNamespace(embed=embed, lm_head=lm_head, rotary=decoder.rotary_emb)
+        self.to(device=embed.weight.device)
+
+    # --- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target, cfg=None) -> "EagleHead":
+        """cfg: any object with num_layers, feature_noise, reg_weight, cls_weight, fc_bias (None = defaults)."""
+        return cls(target, **{k: getattr(cfg, k, v) for k, v in _DEFAULTS.items()})
+
+    def drafter_config(self) -> dict:
+        """JSON-able: kind, hyper-parameters, and the fingerprint of the target it was built on."""
+        return {"kind": self.kind, "feature_layers": list(self.feature_layers),
+                **{k: getattr(self, k) for k in _DEFAULTS}, "target": dict(self.target_fingerprint)}
+
+    @classmethod
+    def from_config(cls, config: dict, target) -> "EagleHead":
+        """Rebuild (untrained weights) from `drafter_config()` output; load the state dict afterwards."""
+        head = cls(target, **{k: config.get(k, v) for k, v in _DEFAULTS.items()})
+        saved = config.get("target") or {}
+        for key in ("hidden_size", "vocab_size"):
+            if key in saved and saved[key] != getattr(head, key):
+                raise ValueError(f"eagle checkpoint was trained for a target with {key}={saved[key]} but this "
+                                 f"target has {getattr(head, key)}: load it with the target it was trained on")
+        return head
+
+    # --- the network ---------------------------------------------------------------------------------------
+    def forward(self, features: Tensor, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None,
+                cache: DynamicCache | None = None) -> Tensor:
+        """features [B,S,d] (f_t), input_ids [B,S] (x_{t+1}), position_ids [B,S], attention_mask: additive
+        [B,1,S,K] with K = cached pairs + S (None: attend to everything), cache: the head's KV cache, extended
+        in place. Returns the predicted next features f^_{t+1}, [B,S,d]."""
+        dtype = self.fc.weight.dtype
+        emb = self._borrowed.embed(input_ids).to(dtype)
+        hidden = self.fc(torch.cat([emb, features.to(dtype)], dim=-1))
+        position_embeddings = self._borrowed.rotary(hidden, position_ids)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(hidden.dtype)
+        for layer in self.layers:
+            out = layer(hidden, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache,
+                        use_cache=cache is not None, position_embeddings=position_embeddings)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden [..., d] -> logits [..., V] through the target's frozen LM head."""
+        return self._borrowed.lm_head(hidden.to(self._borrowed.lm_head.weight.dtype))
+
+    def loss(self, batch: dict, features: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """batch: input_ids, attention_mask, loss_mask [B,T]; features [B,T,d] = target features f_t.
+        Returns reg_weight * L_reg + cls_weight * L_cls (see the module docstring for the alignment)."""
+        from draftlab.losses import masked_smooth_l1, soft_cross_entropy
+
+        ids, attn = batch["input_ids"], batch["attention_mask"].bool()
+        features = features.to(self.fc.weight.dtype)
+        valid = attn[:, :-1] & attn[:, 1:]                               # [B,T-1]: f_t and x_{t+1} both real
+        weight = torch.zeros_like(valid, dtype=features.dtype)
+        weight[:, :-1] = (batch["loss_mask"][:, 2:].bool() & attn[:, 2:]).to(features.dtype)
+        weight = weight * valid
+
+        inputs, target = features[:, :-1], features[:, 1:]
+        if self.training and self.feature_noise > 0:
+            inputs = inputs + (torch.rand_like(inputs) - 0.5) * self.feature_noise
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        n = valid.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+        eye = torch.eye(n, dtype=torch.bool, device=ids.device)
+        # Padded keys are hidden; every query sees itself so no row is fully masked.
+        visible = (causal & valid[:, None, :]) | eye
+        pred = self(inputs, ids[:, 1:], positions, _additive(visible[:, None], features.dtype))
+
+        logits = self.logits(pred)
+        with torch.no_grad():
+            target_logits = self.logits(target)
+        loss_reg = masked_smooth_l1(pred.float(), target.float(), weight)
+        loss_cls = soft_cross_entropy(logits, target_logits, weight)
+        total = self.reg_weight * loss_reg + self.cls_weight * loss_cls
+        agree = (logits.argmax(-1) == target_logits.argmax(-1)).to(weight.dtype)
+        acc = (agree * weight).sum() / weight.sum().clamp(min=1)
+        return total, {"loss_reg": loss_reg.item(), "loss_cls": loss_cls.item(), "acc": acc.item()}
+
+    def proposer(self, target=None, **opts) -> "EagleProposer":
+        return EagleProposer(self, **opts)
+
+
+class EagleProposer:
+    """Drafts chains and trees with an EagleHead over its own KV cache of real pairs (f_t, x_{t+1}).
+
+    After each commit the cache holds exactly the pairs 0..N-1 of the committed sequence x_0..x_N, and the
+    head's output at pair N-1, f^_N, gives the draft distribution of x_{N+1}. Drafting appends draft-only
+    entries (a draft node at depth j is the pair (f^ of its parent, node token) at position N+j-1); the next
+    commit drops them before appending the new real pairs.
+    """
+
+    feature_layers = (-1,)
+
+    def __init__(self, head: EagleHead):
+        self.head = head
+        self.reset(torch.zeros(0, dtype=torch.long))
+
+    def reset(self, prompt_ids: Tensor) -> None:
+        device = self.head.fc.weight.device
+        self.tokens = prompt_ids.reshape(-1).to(device)           # the committed sequence x_0..x_N
+        self.pending = None                                       # features whose next token is not known yet
+        self.cache = DynamicCache()
+        self.num_real = 0                                         # real pairs in the cache
+        self.root_hidden = self.root_logits = None                # f^_N [d] and its logits [V]
+
+    @torch.no_grad()
+    def commit(self, tokens: Tensor, features: Tensor | None) -> None:
+        """tokens [n] newly committed; features [m, d] target features at the positions processed since the
+        last commit (pair t needs the token after it, which the protocol always provides)."""
+        self._drop_drafts()
+        self.tokens = torch.cat([self.tokens, tokens.reshape(-1).to(self.tokens.device)])
+        if features is not None:
+            self.pending = features if self.pending is None else torch.cat([self.pending, features])
+        if self.pending is None:
+            return
+        n = min(len(self.pending), len(self.tokens) - 1 - self.num_real)
+        if n <= 0:
+            return
+        start = self.num_real
+        positions = torch.arange(start, start + n, device=self.tokens.device)
+        visible = torch.ones(n, start + n, dtype=torch.bool, device=self.tokens.device).tril(start)
+        out = self.head(self.pending[:n][None], self.tokens[start + 1:start + 1 + n][None], positions[None],
+                        _additive(visible, self.head.fc.weight.dtype), self.cache)
+        self.pending = self.pending[n:] if n < len(self.pending) else None
+        self.num_real += n
+        self.root_hidden = out[0, -1]
+        self.root_logits = self.head.logits(self.root_hidden).float()
+
+    def _drop_drafts(self) -> None:
+        extra = self.cache.get_seq_length() - self.num_real
+        if extra > 0:
+            self.cache.crop(-extra)
+
+    def _step(self, hidden: Tensor, tokens: Tensor, depth: Tensor, ancestors: Tensor) -> Tensor:
+        """One batched draft forward of n nodes: hidden [n,d] (f^ of each node's parent), tokens [n], depth [n]
+        (1 = child of the root), ancestors [n, D] bool over the D draft entries already in the cache.
+        Appends n draft entries; returns the nodes' outputs f^ [n,d]."""
+        n = len(tokens)
+        real = torch.ones(n, self.num_real, dtype=torch.bool, device=tokens.device)
+        own = torch.eye(n, dtype=torch.bool, device=tokens.device)
+        visible = torch.cat([real, ancestors, own], dim=1)
+        positions = self.num_real + depth - 1
+        out = self.head(hidden[None], tokens[None], positions[None], _additive(visible, self.head.fc.weight.dtype),
+                        self.cache)
+        return out[0]
+
+    @torch.no_grad()
+    def propose(self, spec, sampling, generator: torch.Generator | None = None):
+        from draftlab.trees import DraftTree
+
+        if self.root_hidden is None or self.num_real != len(self.tokens) - 1:
+            raise RuntimeError("EagleProposer.propose needs commit() with the features of every position "
+                               "before the newest token")
+        self._drop_drafts()
+        if spec.kind == "chain":
+            tokens, parents, q, proposal = self._chain(spec.draft_length, sampling, generator)
+        elif spec.kind == "dynamic":
+            tokens, parents = self._dynamic(spec.depth, spec.top_k, spec.total_tokens)
+            q, proposal = None, "topk"
+        elif spec.kind == "static":
+            tokens, parents = self._static(spec.choices)
+            q, proposal = None, "topk"
+        else:
+            raise ValueError(f"unknown tree kind {spec.kind!r}: expected chain, static or dynamic")
+        return DraftTree(tokens=tokens, parents=parents, q=q, proposal=proposal)
+
+    def _chain(self, k: int, sampling, generator):
+        """k autoregressive steps, each feeding the head's own output feature back in."""
+        device = self.tokens.device
+        hidden, logits = self.root_hidden, self.root_logits
+        tokens, qs = [], []
+        for i in range(k):
+            if i > 0:
+                depth = torch.tensor([i], device=device)
+                ancestors = torch.ones(1, i - 1, dtype=torch.bool, device=device)
+                hidden = self._step(hidden[None], tokens[-1].view(1), depth, ancestors)[0]
+                logits = self.head.logits(hidden).float()
+            if sampling.greedy:
+                tokens.append(logits.argmax())
+            else:
+                qs.append(sampling.probs(logits))
+                tokens.append(torch.multinomial(qs[-1], 1, generator=generator)[0])
+        parents = torch.arange(-1, k - 1, device=device)
+        if k <= 0:
+            return torch.zeros(0, dtype=torch.long, device=device), parents, None, "topk"
+        if sampling.greedy:
+            return torch.stack(tokens), parents, None, "topk"
+        return torch.stack(tokens), parents, torch.stack(qs), "with_replacement"
+
+    def _dynamic(self, depth: int, top_k: int, total: int):
+        """EAGLE-2: nodes at depths 1..depth; each level expands the top_k best-scored nodes of the level above
+        (top_k children each), a node's score is the cumulative draft log-probability of its path, and the
+        `total` best nodes are kept (a subtree, since scores never grow along a path)."""
+        device = self.tokens.device
+        k = min(top_k, self.head.vocab_size)
+        first = F.log_softmax(self.root_logits, -1).topk(k)
+        all_tokens, all_parents, all_scores = [first.indices], [torch.full((k,), -1, device=device)], [first.values]
+        frontier = torch.arange(k, device=device)              # record index of each frontier node
+        tokens, scores = first.indices, first.values
+        hidden = self.root_hidden.expand(k, -1)
+        ancestors = torch.zeros(k, 0, dtype=torch.bool, device=device)
+        recorded = k
+        for level in range(1, depth):
+            out = self._step(hidden, tokens, torch.full((k,), level, device=device), ancestors)
+            ancestors = torch.cat([ancestors, torch.eye(k, dtype=torch.bool, device=device)], dim=1)
+            child = F.log_softmax(self.head.logits(out).float(), -1).topk(k)                # [k,k]
+            # clamp: a log-prob is never positive, so a child can never outscore its parent
+            cumulative = (scores[:, None] + child.values.clamp(max=0)).flatten()
+            all_tokens.append(child.indices.flatten())
+            all_parents.append(frontier.repeat_interleave(k))
+            all_scores.append(cumulative)
+            best = cumulative.topk(k).indices
+            slot = best // k
+            frontier, tokens, scores = recorded + best, child.indices.flatten()[best], cumulative[best]
+            hidden, ancestors = out[slot], ancestors[slot]
+            recorded += k * k
+        scores, parents = torch.cat(all_scores), torch.cat(all_parents)
+        # Stable sort: on ties a parent (created earlier) ranks before its child, so the kept set is closed.
+        keep = torch.sort(scores, descending=True, stable=True).indices[:total].sort().values
+        new_index = torch.full_like(parents, -1)
+        new_index[keep] = torch.arange(len(keep), device=device)
+        kept_parents = parents[keep]
+        kept_parents = torch.where(kept_parents < 0, kept_parents, new_index[kept_parents.clamp(min=0)])
+        return torch.cat(all_tokens)[keep], kept_parents
+
+    def _static(self, choices: list[list[int]]):
+        """EAGLE-1 static tree: path [i1, ..., id] = the i_d-th most likely draft token given its parent's
+        path; the level below a node is drafted from that node (autoregressive per branch)."""
+        device = self.tokens.device
+        paths = sorted({tuple(c) for c in choices}, key=lambda p: (len(p), p))
+        index = {p: i for i, p in enumerate(paths)}
+        missing = [list(p) for p in paths if len(p) > 1 and p[:-1] not in index]
+        if missing:
+            raise ValueError(f"static tree choices {missing} have no parent path in the list")
+        parents = [index[p[:-1]] if len(p) > 1 else -1 for p in paths]
+        rank = torch.tensor([p[-1] for p in paths], device=device)
+        tokens = torch.zeros(len(paths), dtype=torch.long, device=device)
+        entry: dict[int, int] = {}                                # node -> its draft entry in the cache
+        outputs: dict[int, Tensor] = {}                           # node -> its output f^ [d]
+        num_entries = 0
+        for level in range(1, max(len(p) for p in paths) + 1):
+            nodes = [i for i, p in enumerate(paths) if len(p) == level]
+            if level == 1:
+                logits = self.root_logits[None]
+                rows = [0] * len(nodes)
+            else:
+                heads = sorted({parents[i] for i in nodes})       # nodes of the level above that have children
+                ancestors = torch.zeros(len(heads), num_entries, dtype=torch.bool, device=device)
+                for row, node in enumerate(heads):
+                    a = parents[node]
+                    while a >= 0:
+                        ancestors[row, entry[a]] = True
+                        a = parents[a]
+                hidden = torch.stack([outputs.get(parents[h], self.root_hidden) for h in heads])
+                out = self._step(hidden, tokens[heads], torch.full((len(heads),), level - 1, device=device),
+                                 ancestors)
+                for row, node in enumerate(heads):
+                    entry[node], outputs[node] = num_entries + row, out[row]
+                num_entries += len(heads)
+                logits = self.head.logits(out).float()
+                rows = [heads.index(parents[i]) for i in nodes]
+            top = logits.topk(min(int(rank.max()) + 1, logits.shape[-1])).indices
+            tokens[nodes] = top[rows, rank[nodes]]
+        return tokens, torch.tensor(parents, device=device)
