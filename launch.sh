@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# launch.sh: start draftlab training under `accelerate launch` on one GPU, one node or many nodes.
+# It only chooses an accelerate config and the process counts; everything else goes to draftlab/train.py.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+CONFIG_DIR="$ROOT/recipes/accelerate"
+
+usage() {
+  cat <<'EOF'
+Usage: ./launch.sh [--deepspeed zero2|zero3] [--cpu] [--dry-run] [--] recipe=NAME [key=value ...]
+
+Runs: accelerate launch --config_file CONFIG --num_processes N --num_machines M --machine_rank R
+        --main_process_ip ADDR --main_process_port PORT draftlab/train.py recipe=NAME key=value ...
+
+Options (anywhere on the line; after `--` everything goes to train.py unread):
+  --deepspeed zero2|zero3  use recipes/accelerate/deepspeed_zeroN.yaml (DeepSpeed JSON in recipes/deepspeed/)
+  --cpu                    run on the CPU: config cpu_ddp (gloo), 2 processes unless GPUS_PER_NODE is set
+  --dry-run                print the exact command and exit 0 without running it
+  -h, --help               this help
+Every other argument is passed to draftlab/train.py verbatim (recipe=NAME and key=value overrides).
+
+Environment:
+  GPUS_PER_NODE  processes per node (default: GPUs visible to nvidia-smi, within CUDA_VISIBLE_DEVICES; else 1)
+  NNODES         number of nodes (default 1); --num_processes = GPUS_PER_NODE * NNODES
+  NODE_RANK      rank of this node, 0 .. NNODES-1 (default 0)
+  MASTER_ADDR    address of node 0 (default 127.0.0.1)
+  MASTER_PORT    port on node 0 (default 29500)
+  ACCEL_CONFIG   accelerate config: a name in recipes/accelerate/ (without .yaml) or a path to a YAML file.
+                 Default: single_gpu (1 process), multi_gpu (1 node, >1 GPU), multi_node (NNODES>1),
+                 cpu_ddp (--cpu), deepspeed_zero2/3 (--deepspeed).
+
+Examples:
+  ./launch.sh recipe=eagle_head target.path=/models/llama train.max_steps=1000
+  GPUS_PER_NODE=8 ./launch.sh --deepspeed zero3 recipe=small_lm_distill
+  NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 ./launch.sh recipe=eagle_head   # run on every node
+  ./launch.sh --cpu --dry-run recipe=quickstart
+EOF
+}
+
+die() {  # one clear line, exit 2 (bad usage)
+  echo "launch.sh: error: $*" >&2
+  exit 2
+}
+
+quote() {  # shell-quote one word so that the printed command can be pasted back as is
+  if [[ $1 =~ ^[A-Za-z0-9_./:=,+@%^-]+$ ]]; then
+    printf '%s' "$1"
+  else
+    printf "'%s'" "${1//\'/\'\\\'\'}"
+  fi
+}
+
+count_gpus() {  # visible GPUs, or 0 when nvidia-smi is missing or fails
+  local n=0
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    n=$(nvidia-smi --list-gpus 2>/dev/null | grep -c '^GPU' || true)
+  fi
+  if [[ -n ${CUDA_VISIBLE_DEVICES-} && $n -gt 0 ]]; then
+    local visible
+    IFS=, read -r -a visible <<<"$CUDA_VISIBLE_DEVICES"
+    ((${#visible[@]} < n)) && n=${#visible[@]}
+  fi
+  echo "$n"
+}
+
+available_configs() {
+  local f names=()
+  for f in "$CONFIG_DIR"/*.yaml; do names+=("$(basename "$f" .yaml)"); done
+  local IFS=,
+  echo "${names[*]}" | sed 's/,/, /g'
+}
+
+# --- arguments ---------------------------------------------------------------------------------------------
+deepspeed="" cpu=0 dry_run=0
+passthrough=()
+while (($#)); do
+  case $1 in
+    -h | --help) usage; exit 0 ;;
+    --deepspeed)
+      (($# >= 2)) || die "--deepspeed needs a value: zero2 or zero3"
+      deepspeed=$2; shift 2 ;;
+    --deepspeed=*) deepspeed=${1#*=}; shift ;;
+    --cpu) cpu=1; shift ;;
+    --dry-run) dry_run=1; shift ;;
+    --) shift; passthrough+=("$@"); break ;;
+    *) passthrough+=("$1"); shift ;;
+  esac
+done
+
+# --- topology ----------------------------------------------------------------------------------------------
+if [[ -z ${GPUS_PER_NODE-} ]]; then
+  if ((cpu)); then
+    GPUS_PER_NODE=2
+  else
+    GPUS_PER_NODE=$(count_gpus)
+    ((GPUS_PER_NODE > 0)) || GPUS_PER_NODE=1
+  fi
+fi
+NNODES=${NNODES:-1}
+NODE_RANK=${NODE_RANK:-0}
+MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
+MASTER_PORT=${MASTER_PORT:-29500}
+for var in GPUS_PER_NODE NNODES; do
+  [[ ${!var} =~ ^[1-9][0-9]*$ ]] || die "$var=${!var} must be a positive integer"
+done
+[[ $NODE_RANK =~ ^[0-9]+$ ]] || die "NODE_RANK=$NODE_RANK must be an integer in 0..$((NNODES - 1))"
+((NODE_RANK < NNODES)) || die "NODE_RANK=$NODE_RANK must be below NNODES=$NNODES"
+[[ $MASTER_PORT =~ ^[0-9]+$ ]] && ((MASTER_PORT <= 65535)) || die "MASTER_PORT=$MASTER_PORT is not a port number"
+num_processes=$((GPUS_PER_NODE * NNODES))
+
+# --- accelerate config -------------------------------------------------------------------------------------
+if [[ -n $deepspeed ]]; then
+  [[ $deepspeed == zero2 || $deepspeed == zero3 ]] || die "--deepspeed $deepspeed: choose zero2 or zero3"
+  ((cpu == 0)) || die "--deepspeed needs GPUs; drop --cpu (the CPU multi-process path is --cpu alone)"
+  [[ -z ${ACCEL_CONFIG-} ]] || die "both ACCEL_CONFIG=$ACCEL_CONFIG and --deepspeed given; use one of them"
+fi
+if [[ -n ${ACCEL_CONFIG-} ]]; then
+  config=$ACCEL_CONFIG
+elif [[ -n $deepspeed ]]; then
+  config=deepspeed_$deepspeed
+elif ((cpu)); then
+  config=cpu_ddp
+elif ((NNODES > 1)); then
+  config=multi_node
+elif ((GPUS_PER_NODE > 1)); then
+  config=multi_gpu
+else
+  config=single_gpu
+fi
+
+name=${config%.yaml}
+if [[ $config != */* && -f $CONFIG_DIR/$name.yaml ]]; then
+  config_file=$CONFIG_DIR/$name.yaml
+elif [[ -f $config ]]; then
+  config_file=$(cd "$(dirname "$config")" && pwd)/$(basename "$config")
+elif [[ $config == */* || $config == *.yaml || $config == *.yml ]]; then
+  die "accelerate config file '$config' not found"
+else
+  die "unknown accelerate config '$config'; available in recipes/accelerate/: $(available_configs) (or give a path to a YAML file)"
+fi
+
+# The DeepSpeed JSON named in the config is passed as an absolute path, so that the launch works from any
+# directory: a relative name is looked up in the current directory (accelerate's own rule), then in the repository.
+ds_args=()
+ds_file=$(sed -n 's/^[[:space:]]*deepspeed_config_file:[[:space:]]*//p' "$config_file" | sed 's/[[:space:]]*#.*$//; s/^["'\'']//; s/["'\'']$//')
+if [[ -n $ds_file ]]; then
+  if [[ $ds_file != /* && -f $ds_file ]]; then
+    ds_file=$PWD/$ds_file
+  elif [[ $ds_file != /* && -f $ROOT/$ds_file ]]; then
+    ds_file=$ROOT/$ds_file
+  fi
+  [[ -f $ds_file ]] || die "$config_file names deepspeed_config_file '$ds_file', which is missing"
+  ds_args=(--deepspeed_config_file "$ds_file")
+fi
+
+cmd=(accelerate launch
+  --config_file "$config_file"
+  --num_processes "$num_processes"
+  --num_machines "$NNODES"
+  --machine_rank "$NODE_RANK"
+  --main_process_ip "$MASTER_ADDR"
+  --main_process_port "$MASTER_PORT"
+  ${ds_args[@]+"${ds_args[@]}"}
+  "$ROOT/draftlab/train.py"
+  ${passthrough[@]+"${passthrough[@]}"})
+env_prefix=()
+# the processes must ask for the CPU themselves, or each one runs alone as world size 1 (shared/NOTES.md)
+((cpu)) && env_prefix=(ACCELERATE_USE_CPU=true)
+
+if ((dry_run)); then
+  words=()
+  for word in ${env_prefix[@]+"${env_prefix[@]}"} "${cmd[@]}"; do words+=("$(quote "$word")"); done
+  echo "${words[*]}"
+  exit 0
+fi
+
+command -v accelerate >/dev/null 2>&1 || die "'accelerate' is not on PATH; install the project first: pip install -e ."
+exec env ${env_prefix[@]+"${env_prefix[@]}"} "${cmd[@]}"
