@@ -359,3 +359,37 @@ def test_checkpoint_save_load_gives_identical_drafts(tiny_target, tmp_path):
     a = _start(head, model, prompt).propose(spec, Sampling(), None)
     b = _start(loaded, model, prompt).propose(spec, Sampling(), None)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+
+
+def test_fitting_the_targets_own_text_raises_tau(tiny_target):
+    """The shift end to end: a head fitted on the target's greedy text drafts that text back."""
+    evaluator = pytest.importorskip("draftlab.evaluator")
+    from conftest import CORPUS
+    from draftlab.trees import TreeSpec
+    from draftlab.verify import Sampling
+
+    model, tok = tiny_target
+    prompts = [_ids(tok, text)[:6] for text in CORPUS[:3]]
+    with torch.no_grad():
+        ids = torch.stack([model.generate(p[None], attention_mask=torch.ones(1, 6, dtype=torch.long),
+                                          max_new_tokens=30, do_sample=False, eos_token_id=None,
+                                          pad_token_id=tok.pad_token_id)[0] for p in prompts])
+    batch, feats = _batch(ids), _features(model, ids)
+    spec = TreeSpec(kind="chain", draft_length=4)
+
+    def tau(head):
+        accepted = [a for p in prompts for a in evaluator.speculative_generate(
+            model, head.eval().proposer(model), p, spec, Sampling(), 30).accepted]
+        return sum(a + 1 for a in accepted) / len(accepted)
+
+    torch.manual_seed(0)
+    head = EagleHead.from_target(model, None)
+    before = tau(head)
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    head.train()
+    for _ in range(40):
+        loss, _ = head.loss(batch, feats)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert tau(head) > before + 0.5
