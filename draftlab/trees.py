@@ -109,30 +109,40 @@ def chain(tokens: Tensor, q: Tensor | None = None, proposal: str | None = None) 
     return DraftTree(tokens, parents, q, proposal or ("topk" if q is None else "with_replacement"))
 
 
+def _ancestor_steps(parents: Tensor):
+    """Yield (nodes, ancestors) pairs, one per generation: each node's parent, then grandparent, ... (CPU)."""
+    par = parents.cpu()
+    n = int(par.shape[0])
+    if n and not bool((par < torch.arange(n)).all()):
+        bad = int((par >= torch.arange(n)).nonzero()[0])
+        raise ValueError(f"node {bad} has parent {int(par[bad])}: parents must precede their children")
+    nodes, cur = torch.arange(n), par
+    while len(nodes):
+        alive = cur >= 0
+        nodes, cur = nodes[alive], cur[alive]
+        if len(nodes):
+            yield nodes, cur
+            cur = par[cur]
+
+
 def node_depths(parents: Tensor) -> Tensor:
     """parents [N] -> depths [N] (children of the root have depth 1)."""
-    depths = torch.zeros_like(parents)
-    par = parents.tolist()
-    out = [0] * len(par)
-    for i, p in enumerate(par):
-        if p >= i:
-            raise ValueError(f"node {i} has parent {p}: parents must precede their children")
-        out[i] = 1 if p < 0 else out[p] + 1
-    if out:
-        depths.copy_(torch.tensor(out, device=parents.device))
-    return depths
+    depths = torch.ones(parents.shape[0], dtype=torch.long)
+    for nodes, _ in _ancestor_steps(parents):
+        depths[nodes] += 1
+    return depths.to(parents.device)
 
 
 def tree_attention_mask(parents: Tensor) -> Tensor:
     """parents [N] -> bool [N+1, N+1] over (root, nodes): entry (i, j) is True iff j is an ancestor of i or i.
 
-    Built row by row: a node sees what its parent sees, plus itself.
+    One vectorised step per tree level: node i marks its parent, then its grandparent, ...
     """
     n = int(parents.shape[0])
     mask = torch.eye(n + 1, dtype=torch.bool)
     mask[:, 0] = True
-    for i, p in enumerate(parents.tolist()):
-        mask[i + 1] |= mask[p + 1]
+    for nodes, ancestors in _ancestor_steps(parents):
+        mask[nodes + 1, ancestors + 1] = True
     return mask.to(parents.device)
 
 

@@ -75,7 +75,7 @@ def greedy_accept(tree: DraftTree, target_logits: Tensor) -> Acceptance:
     if len(tree) == 0:
         return Acceptance([], int(argmax[0]))
     parents = tree.parents.tolist()
-    match = (tree.tokens == argmax[tree.parents + 1]).tolist()
+    match = (tree.tokens.to(argmax.device) == argmax[tree.parents.to(argmax.device) + 1]).tolist()
     accepted = [False] * len(parents)
     best, best_depth = -1, 0
     depths = tree.depths.tolist()
@@ -123,7 +123,7 @@ def stochastic_accept(tree: DraftTree, target_probs: Tensor, generator: torch.Ge
                 qj = None                                     # point mass at tok
                 ratio = p[tok]
             else:
-                qj = tree.q[c].float()
+                qj = tree.q[c].to(device).float()
                 if tree.proposal == "without_replacement" and excluded:
                     qj = qj.clone()
                     qj[excluded] = 0
