@@ -64,11 +64,10 @@ count_gpus() {  # visible GPUs, or 0 when nvidia-smi is missing or fails
   echo "$n"
 }
 
-available_configs() {
-  local f names=()
-  for f in "$CONFIG_DIR"/*.yaml; do names+=("$(basename "$f" .yaml)"); done
-  local IFS=,
-  echo "${names[*]}" | sed 's/,/, /g'
+available_configs() {  # "a, b, c": the names in recipes/accelerate/
+  local f out=""
+  for f in "$CONFIG_DIR"/*.yaml; do out+="${out:+, }$(basename "$f" .yaml)"; done
+  echo "$out"
 }
 
 # --- arguments ---------------------------------------------------------------------------------------------
@@ -137,13 +136,15 @@ elif [[ -f $config ]]; then
 elif [[ $config == */* || $config == *.yaml || $config == *.yml ]]; then
   die "accelerate config file '$config' not found"
 else
-  die "unknown accelerate config '$config'; available in recipes/accelerate/: $(available_configs) (or give a path to a YAML file)"
+  die "unknown accelerate config '$config'; available in recipes/accelerate/:" \
+    "$(available_configs) (or give a path to a YAML file)"
 fi
 
 # The DeepSpeed JSON named in the config is passed as an absolute path, so that the launch works from any
 # directory: a relative name is looked up in the current directory (accelerate's own rule), then in the repository.
 ds_args=()
-ds_file=$(sed -n 's/^[[:space:]]*deepspeed_config_file:[[:space:]]*//p' "$config_file" | sed 's/[[:space:]]*#.*$//; s/^["'\'']//; s/["'\'']$//')
+ds_file=$(sed -n 's/^[[:space:]]*deepspeed_config_file:[[:space:]]*//p' "$config_file" |
+  sed 's/[[:space:]]*#.*$//; s/^["'\'']//; s/["'\'']$//')
 if [[ -n $ds_file ]]; then
   if [[ $ds_file != /* && -f $ds_file ]]; then
     ds_file=$PWD/$ds_file

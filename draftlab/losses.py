@@ -202,6 +202,8 @@ def total_variation(student_logits: Tensor, teacher_logits: Tensor | None, mask:
     return _masked_mean(per_token, mask)
 
 
+# name -> divergence, all called as fn(student_logits, teacher_logits, mask, temperature, teacher_probs=...);
+# jsd also takes beta (bind it with functools.partial(jsd, beta=...) to keep one call shape)
 DIVERGENCES = {"fkl": forward_kl, "rkl": reverse_kl, "jsd": jsd, "tvd": total_variation}
 
 

@@ -255,17 +255,20 @@ def _free_port() -> int:
 def test_cpu_ddp_forms_a_two_process_gloo_group(tmp_path):
     """The printed --cpu command, with a probe in place of train.py, really starts a 2-process CPU group."""
     probe = tmp_path / "probe.py"
+    # each rank writes its own file: two processes printing to one pipe can interleave their lines
     probe.write_text(
-        "import sys\nfrom accelerate import Accelerator\n"
+        "import os, sys\nfrom accelerate import Accelerator\n"
         "a = Accelerator()\n"
-        "print('PROBE', a.process_index, a.num_processes, a.distributed_type.value, sys.argv[1:], flush=True)\n")
+        "line = f'{a.process_index} {a.num_processes} {a.distributed_type.value} {sys.argv[1:]}'\n"
+        "open(os.path.join(os.environ['PROBE_DIR'], f'rank{a.process_index}.txt'), 'w').write(line)\n")
     out = run_launch("--cpu", "--dry-run", "key=a b", env={"MASTER_PORT": str(_free_port())})
     words = shlex.split(out.stdout)
     env_words, cmd = words[:1], words[1:]
     cmd[cmd.index(str(ROOT / "draftlab" / "train.py"))] = str(probe)
-    env = {**os.environ, **dict(w.split("=", 1) for w in env_words), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **dict(w.split("=", 1) for w in env_words), "OMP_NUM_THREADS": "1",
+           "PROBE_DIR": str(tmp_path)}
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("PROBE"))
     assert result.returncode == 0, result.stderr[-2000:]
-    assert lines == ["PROBE 0 2 MULTI_CPU ['key=a b']", "PROBE 1 2 MULTI_CPU ['key=a b']"]
+    lines = sorted(p.read_text() for p in tmp_path.glob("rank*.txt"))
+    assert lines == ["0 2 MULTI_CPU ['key=a b']", "1 2 MULTI_CPU ['key=a b']"]
