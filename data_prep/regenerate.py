@@ -13,6 +13,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import torch
+
 if importlib.util.find_spec("draftlab") is None:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,10 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--dtype", default="auto", help="auto (bf16 on GPU, fp32 on CPU), float32, bfloat16, float16")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (1 is faster when other processes share the cores)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1 or args.batch_size < 1 or (args.num is not None and args.num < 1):
         parser.error("--num, --max-new-tokens and --batch-size must be positive")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         prompts = load_prompts(args.prompts, limit=args.num)  # bad prompts fail before the model loads
         model, tokenizer = load_target(args.target, dtype=args.dtype, device=args.device)

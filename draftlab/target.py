@@ -23,7 +23,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
-class TargetError(Exception):
+class TargetError(ValueError):
     """The target cannot be found or loaded; the message says what, where, and how to fix it."""
 
 
