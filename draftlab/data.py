@@ -39,13 +39,17 @@ class ReadStats:
     kept: int = 0
     malformed: list[tuple[str, str]] = field(default_factory=list)
 
-    def summary(self, show: int = 3) -> str:
-        text = f"{self.source}: {self.kept} conversations from {self.rows} rows"
+    def __str__(self) -> str:
+        """One line: counts, and the first malformed rows with their locations and reasons."""
+        text = f"{self.kept} conversations from {self.rows} rows"
         if self.malformed:
-            shown = "; ".join(f"{where}: {why}" for where, why in self.malformed[:show])
-            more = f" (+{len(self.malformed) - show} more)" if len(self.malformed) > show else ""
+            shown = "; ".join(f"{where}: {why}" for where, why in self.malformed[:3])
+            more = f" (+{len(self.malformed) - 3} more)" if len(self.malformed) > 3 else ""
             text += f", {len(self.malformed)} malformed rows skipped ({shown}{more})"
         return text
+
+    def summary(self) -> str:
+        return f"{self.source}: {self}"
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def test_malformed_rows_are_counted_with_their_lines_and_strict_mode_raises(tmp_
     assert len(convs) == stats.kept == 2 and stats.rows == 8  # the blank line is not a row
     assert [where for where, _ in stats.malformed] == [f"{path}:{n}" for n in range(2, 8)]
     assert all(why for _, why in stats.malformed)
-    assert "6 malformed" in stats.summary() and f"{path}:2" in stats.summary()
+    assert "6 malformed" in str(stats) and f"{path}:2" in str(stats) and stats.summary().startswith(str(path))
     with pytest.raises(DataError, match=f"{path}:2"):
         read_conversations(str(path), strict=True)
     assert len(read_conversations(str(path), limit=1)[0]) == 1
