@@ -1,0 +1,427 @@
+"""Small LM drafter: a standalone causal LM with the target's tokenizer, distilled from the target.
+
+Papers (method_specs.md section 4): DistillSpec (Zhou et al., ICLR 2024: on-policy data + a divergence
+chosen for the decoding strategy), Online Speculative Decoding (Liu et al., ICML 2024) and Hong et al.,
+"Training Domain Draft Models for Speculative Decoding" (2025: offline vs online, white-box vs black-box).
+
+The model is any transformers causal LM with exactly the target's vocabulary: built from the target's own
+config with fewer / narrower layers (optionally with the target's embeddings and LM head copied in and frozen),
+or loaded from a small pretrained folder (`init_from`), optionally adapted with LoRA (`lora_r`).
+
+What it optimises, by `distill_mode` (logits at position t predict token t+1, weighted by the mask of t+1):
+  offline_blackbox  cross-entropy on the assistant tokens of conversations the target wrote itself
+                    (sequence-level KD; `data.regenerate_from` makes them);
+  offline_whitebox  divergence (`distill_loss`: fkl | rkl | jsd | tvd) to the target's top-k distribution
+                    at every assistant position, read from the offline store (`data.store`);
+  online_whitebox   DistillSpec / GKD: with probability `student_ratio` the student continues the prompt
+                    itself (sampled, `rollout_tokens`) and the target, run inside the step, scores those
+                    tokens; otherwise the dataset's assistant tokens, with teacher logits from a target forward;
+  online_blackbox   the target answers the prompt inside the step (greedy, `rollout_tokens`); CE on its text.
+Why TVD: a draft token drawn from q is accepted with probability sum_x min(p, q) = 1 - TVD(p, q) (method_specs
+1.3), so minimising the expected TVD over the prefixes the drafter will see (its own, on-policy) maximises the
+acceptance rate; the other divergences are smoother surrogates of the same goal.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+MODES = ("offline_blackbox", "offline_whitebox", "online_whitebox", "online_blackbox")
+_DEFAULTS = {"num_layers": 1, "hidden_size": 0, "num_attention_heads": 0, "num_key_value_heads": 0,
+             "intermediate_size": 0, "share_embeddings": True, "train_shared_embeddings": False, "init_from": "",
+             "lora_r": 0, "lora_alpha": 0, "distill_mode": "offline_blackbox", "distill_loss": "fkl",
+             "distill_temperature": 1.0, "jsd_beta": 0.5, "student_ratio": 0.5, "rollout_tokens": 64,
+             "teacher_topk": 20}
+
+
+class VocabularyMismatchError(ValueError):
+    """The drafter's tokenizer or vocabulary is not the target's; the message says what, where and how to fix."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# building the model
+
+
+def target_tokenizer(target):
+    """The target's tokenizer when it can be found from the model alone (its local folder), else None."""
+    path = getattr(target.config, "_name_or_path", "") or ""
+    if not os.path.isdir(path) or not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def check_vocabulary(model, tokenizer, target, target_tok, where: str) -> None:
+    """Refuse a drafter whose vocabulary (embedding rows) or tokenizer fingerprint differs from the target's.
+
+    tokenizer / target_tok may be None (then only the vocabulary sizes are compared)."""
+    from draftlab.target import vocab_hash
+
+    mine, theirs = model.get_output_embeddings().weight.shape[0], target.get_output_embeddings().weight.shape[0]
+    if mine != theirs:
+        raise VocabularyMismatchError(
+            f"drafter from {where} has a vocabulary of {mine} tokens but the target has {theirs}: a draft model must "
+            "use the target's tokenizer (pick a model of the target's family, or train one from the target's config "
+            "with drafter.init_from='')")
+    if tokenizer is not None and target_tok is not None and vocab_hash(tokenizer) != vocab_hash(target_tok):
+        raise VocabularyMismatchError(
+            f"drafter from {where} has a different tokenizer than the target (vocabulary fingerprint "
+            f"{vocab_hash(tokenizer)} vs {vocab_hash(target_tok)}, same size {mine}): token ids would not mean the "
+            "same thing; use a model trained with the target's tokenizer, or drafter.init_from='' to build one")
+
+
+def drafter_model_config(target, num_layers: int, hidden_size: int, heads: int, kv_heads: int, intermediate: int):
+    """The target's own config (same family, same vocabulary and special tokens) with a smaller stack."""
+    cfg = copy.deepcopy(target.config.get_text_config(decoder=True))
+    hidden = hidden_size or cfg.hidden_size
+    heads = heads or (cfg.num_attention_heads if hidden == cfg.hidden_size else max(1, hidden // 64))
+    kv = kv_heads or min(getattr(cfg, "num_key_value_heads", heads) or heads, heads)
+    if hidden % heads or heads % kv:
+        raise ValueError(f"small_lm: hidden_size {hidden} must be divisible by num_attention_heads {heads}, and "
+                         f"that by num_key_value_heads {kv}: set drafter.num_attention_heads / num_key_value_heads")
+    default_inter = cfg.intermediate_size if hidden == cfg.hidden_size else 4 * hidden
+    cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size = num_layers, hidden, intermediate or default_inter
+    cfg.num_attention_heads, cfg.num_key_value_heads = heads, kv
+    if getattr(cfg, "head_dim", None) is not None:
+        cfg.head_dim = hidden // heads
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = list(cfg.layer_types)[:num_layers]
+    # the proposer's trees need explicit 4-D masks, which flash-attention kernels do not take
+    if cfg._attn_implementation not in ("eager", "sdpa"):
+        cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def _eos_ids(model) -> list[int]:
+    ids = set()
+    for source in (model.config, getattr(model, "generation_config", None)):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+    return sorted(ids)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# batches of prompts and continuations (the online modes)
+
+
+def prompt_part(batch: dict, pad_id: int) -> tuple[Tensor, Tensor]:
+    """The prompt of each right-padded row (tokens before its first assistant token), left-padded so that every
+    prompt ends at the same column: ids [B, P], attention_mask [B, P]."""
+    ids, attn, mask = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool() & batch["attention_mask"].bool()
+    lengths = attn.sum(1)
+    first = torch.where(mask.any(1), mask.float().argmax(1), lengths).clamp(min=1)
+    width = int(first.max())
+    out = torch.full((ids.shape[0], width), pad_id, dtype=ids.dtype, device=ids.device)
+    out_mask = torch.zeros_like(out)
+    for b, n in enumerate(first.tolist()):
+        out[b, width - n:], out_mask[b, width - n:] = ids[b, :n], 1
+    return out, out_mask
+
+
+def positions(attention_mask: Tensor) -> Tensor:
+    """Position ids [B, T] that count only attended tokens, so left padding does not shift RoPE."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def continue_prompts(model, ids: Tensor, attention_mask: Tensor, steps: int, eos_ids: list[int], pad_id: int,
+                     greedy: bool, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Continue left-padded prompts ids [B, P] by up to `steps` tokens with the model's KV cache.
+
+    Greedy (argmax) or sampled from softmax(logits / temperature). Returns tokens [B, S] and mask [B, S]
+    (1 up to and including each row's first EOS, S <= steps; pad_id after)."""
+    cache, attn = DynamicCache(), attention_mask.long()
+    out = model(input_ids=ids, attention_mask=attn, position_ids=positions(attn), past_key_values=cache, use_cache=True)
+    eos = torch.tensor(eos_ids, device=ids.device)
+    alive = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
+    tokens, masks = [], []
+    for step in range(steps):
+        logits = out.logits[:, -1].float()
+        tok = logits.argmax(-1) if greedy else torch.multinomial((logits / temperature).softmax(-1), 1)[:, 0]
+        tok = torch.where(alive, tok, torch.full_like(tok, pad_id))
+        tokens.append(tok)
+        masks.append(alive.clone())
+        alive &= ~torch.isin(tok, eos)
+        if not alive.any() or step == steps - 1:
+            break
+        attn = torch.cat([attn, alive[:, None].long()], dim=1)
+        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=attn.sum(1, keepdim=True) - 1,
+                    past_key_values=cache, use_cache=True)
+    return torch.stack(tokens, 1), torch.stack(masks, 1).long()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the drafter
+
+
+class SmallLM(nn.Module):
+    """A small causal LM (`self.model`, any transformers architecture) drafting for the target.
+
+    The target is held as an unregistered reference (not a submodule: never trained, saved or moved); the
+    online modes run it under no_grad inside `loss`. `teacher_topk` > 0 (offline white-box only) makes the
+    training loop ask the store for the target's top-k log-probabilities.
+    """
+
+    kind = "small_lm"
+    feature_layers: tuple[int, ...] = ()
+    teacher_topk = 0
+
+    def __init__(self, target, model: nn.Module, settings: dict, tokenizer=None):
+        super().__init__()
+        if settings["distill_mode"] not in MODES:
+            raise ValueError(f"drafter.distill_mode is '{settings['distill_mode']}': choose one of {', '.join(MODES)}")
+        from draftlab.losses import DIVERGENCES
+
+        if settings["distill_loss"] not in DIVERGENCES:
+            raise ValueError(f"drafter.distill_loss is '{settings['distill_loss']}': choose one of {', '.join(DIVERGENCES)}")
+        self.model, self.settings = model, dict(settings)
+        self.__dict__["target"] = target
+        self.__dict__["tokenizer"] = tokenizer
+        self.teacher_topk = settings["teacher_topk"] if settings["distill_mode"] == "offline_whitebox" else 0
+        self.eos_ids = _eos_ids(target)
+        pad = getattr(target.config, "pad_token_id", None)
+        self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
+
+    # --- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target, cfg=None, tokenizer=None) -> "SmallLM":
+        """cfg: any object with the fields of _DEFAULTS (missing ones take the defaults). tokenizer: the target's
+        (None: found from the target's folder when it has one) to check a pretrained drafter's tokenizer."""
+        settings = {k: getattr(cfg, k, v) for k, v in _DEFAULTS.items()}
+        return cls._build(target, settings, tokenizer if tokenizer is not None else target_tokenizer(target))
+
+    @classmethod
+    def _build(cls, target, s: dict, tokenizer) -> "SmallLM":
+        from transformers import AutoModelForCausalLM
+
+        if s["init_from"]:
+            where = f"drafter.init_from={s['init_from']}"
+            if not (Path(s["init_from"]) / "config.json").is_file():
+                raise ValueError(f"{where}: no config.json there; point it at a local transformers model folder")
+            model = AutoModelForCausalLM.from_pretrained(s["init_from"], dtype=torch.float32)
+            own_tok = None
+            if any((Path(s["init_from"]) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+                from transformers import AutoTokenizer
+
+                own_tok = AutoTokenizer.from_pretrained(s["init_from"])
+            check_vocabulary(model, own_tok, target, tokenizer, where)
+        else:
+            config = drafter_model_config(target, s["num_layers"], s["hidden_size"], s["num_attention_heads"],
+                                          s["num_key_value_heads"], s["intermediate_size"])
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            if s["share_embeddings"]:
+                cls._copy_embeddings(model, target, not s["train_shared_embeddings"])
+        if s["lora_r"] > 0:
+            from peft import LoraConfig, get_peft_model
+
+            model.requires_grad_(False)
+            lora = LoraConfig(r=s["lora_r"], lora_alpha=s["lora_alpha"] or 2 * s["lora_r"], lora_dropout=0.0,
+                              target_modules="all-linear", task_type="CAUSAL_LM")
+            model = get_peft_model(model, lora)
+        model.generation_config.pad_token_id = getattr(target.config, "pad_token_id", None)
+        return cls(target, model.to(target.device).train(), s, tokenizer)
+
+    @staticmethod
+    def _copy_embeddings(model, target, freeze: bool) -> None:
+        """Copy the target's input embeddings and LM head (same width needed); frozen ones are not saved and are
+        copied again from the target when a checkpoint is loaded."""
+        mine, theirs = model.get_input_embeddings().weight, target.get_input_embeddings().weight
+        if mine.shape != theirs.shape:
+            raise ValueError(f"drafter.share_embeddings needs the target's width: the drafter has hidden_size "
+                             f"{mine.shape[1]}, the target {theirs.shape[1]}; set drafter.hidden_size=0 (the target's) "
+                             "or drafter.share_embeddings=false")
+        with torch.no_grad():
+            mine.copy_(theirs)
+            head, target_head = model.get_output_embeddings().weight, target.get_output_embeddings().weight
+            if head is not mine:
+                head.copy_(target_head)
+        for p in (mine, model.get_output_embeddings().weight):
+            p.requires_grad_(not freeze)
+
+    def drafter_config(self) -> dict:
+        from draftlab.target import target_fingerprint
+
+        settings = dict(self.settings)
+        if settings["init_from"]:
+            settings["init_from"] = str(Path(settings["init_from"]).resolve())
+        return {"kind": self.kind, **settings, "vocab_size": self.vocab_size,
+                "target": target_fingerprint(self.target, self.tokenizer)}
+
+    @classmethod
+    def from_config(cls, config: dict, target) -> "SmallLM":
+        settings = {k: config.get(k, v) for k, v in _DEFAULTS.items()}
+        return cls._build(target, settings, target_tokenizer(target))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    # --- the network --------------------------------------------------------------------------------------
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None) -> Tensor:
+        """input_ids [B, T] -> logits [B, T, V] (position t predicts token t+1)."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+
+    # --- losses -------------------------------------------------------------------------------------------
+    def loss(self, batch: dict, features: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+        """batch: input_ids, attention_mask, loss_mask [B, T] (right-padded; offline white-box also
+        teacher_topk_ids / teacher_topk_logprobs [B, T, k] and teacher_tail_mass [B, T], aligned with the
+        positions whose logits they describe). features: unused (None). Returns (loss, metrics)."""
+        mode = self.settings["distill_mode"]
+        if mode == "online_blackbox":
+            return self._cross_entropy(*self._continuation(batch, self.target, greedy=True))
+        if mode == "online_whitebox":
+            on_policy = bool(torch.rand(()) < self.settings["student_ratio"])
+            if on_policy:
+                ids, attn, weight, pos = self._continuation(batch, self.model, greedy=False)
+            else:
+                ids, attn, weight, pos = self._dataset(batch)
+            with torch.no_grad():
+                teacher = self.target(input_ids=ids, attention_mask=attn, position_ids=pos).logits
+            loss, metrics = self._divergence(ids, attn, weight, pos, teacher_logits=teacher)
+            return loss, {**metrics, "on_policy": float(on_policy)}
+        ids, attn, weight, pos = self._dataset(batch)
+        if mode == "offline_blackbox":
+            return self._cross_entropy(ids, attn, weight, pos)
+        missing = [k for k in ("teacher_topk_ids", "teacher_topk_logprobs") if k not in batch]
+        if missing:
+            raise ValueError(f"small_lm offline_whitebox needs the target's top-k logits in the batch ({missing} "
+                             "missing): set data.store=PATH so the training loop builds and reads the store")
+        return self._divergence(ids, attn, weight, pos, topk=(batch["teacher_topk_ids"],
+                                batch["teacher_topk_logprobs"], batch.get("teacher_tail_mass")))
+
+    @staticmethod
+    def _dataset(batch: dict):
+        """The batch as is: ids, attention [B, T], weight [B, T] (1 on assistant tokens), positions None."""
+        attn = batch["attention_mask"]
+        return batch["input_ids"], attn, batch["loss_mask"] * attn, None
+
+    def _continuation(self, batch: dict, model, greedy: bool):
+        """Prompts of the batch continued by `model` (the target: greedy; the student: sampled at T=1):
+        ids [B, P+S], attention [B, P+S], weight [B, P+S] (1 on the new tokens), positions [B, P+S]."""
+        prompts, prompt_mask = prompt_part(batch, self.pad_id)
+        new, new_mask = continue_prompts(model, prompts, prompt_mask, self.settings["rollout_tokens"], self.eos_ids,
+                                         self.pad_id, greedy=greedy)
+        ids, attn = torch.cat([prompts, new], 1), torch.cat([prompt_mask, new_mask], 1)
+        weight = torch.cat([torch.zeros_like(prompt_mask), new_mask], 1)
+        return ids, attn, weight, positions(attn)
+
+    def _cross_entropy(self, ids, attn, weight, pos):
+        from draftlab.losses import hard_cross_entropy
+
+        logits = self(ids, attn, pos)[:, :-1]
+        mask = weight[:, 1:].bool()
+        loss = hard_cross_entropy(logits, ids[:, 1:], mask)
+        acc = (logits.argmax(-1) == ids[:, 1:])[mask].float().mean() if mask.any() else torch.zeros(())
+        return loss, {"acc": acc.item(), "tokens": float(mask.sum())}
+
+    def _divergence(self, ids, attn, weight, pos, teacher_logits: Tensor | None = None, topk=None):
+        """Divergence at the weighted positions only: both distributions are gathered to [1, N, V] first, so the
+        dense [B, T, V] teacher never exists for the (long) prompt and padding positions."""
+        from draftlab.losses import DIVERGENCES, sparse_teacher_probs, total_variation
+
+        mask = weight[:, 1:].bool()
+        student = self(ids, attn, pos)[:, :-1][mask][None]                 # [1, N, V]
+        if topk is not None:
+            top_ids, top_lp, tail = (t[:, :-1][mask] if t is not None else None for t in topk)
+            teacher = {"teacher_logits": None, "teacher_probs": sparse_teacher_probs(
+                top_ids[None], top_lp[None], tail[None] if tail is not None else None, student.shape[-1])}
+        else:
+            teacher = {"teacher_logits": teacher_logits[:, :-1][mask][None].to(student.dtype)}
+        ones = torch.ones(student.shape[:2], device=student.device)
+        name = self.settings["distill_loss"]
+        extra = {"beta": self.settings["jsd_beta"]} if name == "jsd" else {}
+        loss = DIVERGENCES[name](student, mask=ones, temperature=self.settings["distill_temperature"], **teacher, **extra)
+        with torch.no_grad():  # 1 - TVD at T=1: the expected acceptance rate of a sampled draft token here
+            tvd = total_variation(student, mask=ones, **teacher)
+            p = teacher["teacher_probs"] if topk is not None else teacher["teacher_logits"]
+            acc = (student.argmax(-1) == p.argmax(-1)).float().mean() if mask.any() else torch.zeros(())
+        return loss, {"accept_est": 1.0 - tvd.item(), "acc": acc.item(), "tokens": float(mask.sum())}
+
+    # --- evaluation and export ----------------------------------------------------------------------------
+    def proposer(self, target=None, **opts) -> "SmallLMProposer":
+        return SmallLMProposer(self.model)
+
+    def export_pretrained(self, folder: str | Path, tokenizer=None) -> Path:
+        """Write a standard transformers folder (config, model.safetensors, generation config, tokenizer) that
+        loads with AutoModelForCausalLM and serves as `assistant_model` in `generate`. LoRA is merged first."""
+        folder = Path(folder)
+        model = self.model
+        if hasattr(model, "merge_and_unload"):      # a peft model: fold the adapters into a copy of the weights
+            model = copy.deepcopy(model).merge_and_unload()
+        model.save_pretrained(str(folder))
+        tokenizer = tokenizer if tokenizer is not None else self.tokenizer
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(folder))
+        return folder
+
+
+class SmallLMProposer:
+    """Drafts with a causal LM over its own KV cache of the committed sequence.
+
+    Chains: greedy argmax ("topk") or draws from q = the processed draft distribution ("with_replacement").
+    The cache keeps whatever prefix of (committed tokens + last drafts) still matches the committed sequence,
+    so accepted drafts are not recomputed. Static / dynamic trees are drafted the same way as with the target
+    (proposers.TargetCopyProposer over this model, with its own cache).
+    """
+
+    feature_layers: tuple[int, ...] = ()
+
+    def __init__(self, model):
+        from draftlab.proposers import TargetCopyProposer
+
+        self.model = model
+        self.trees = TargetCopyProposer(model)
+        self.reset(torch.zeros(0, dtype=torch.long))
+
+    def reset(self, prompt_ids: Tensor) -> None:
+        self.seq = prompt_ids.reshape(-1).tolist()
+        self.cache, self.cached = DynamicCache(), []       # cached: the tokens the cache holds, in order
+        self.trees.reset(prompt_ids)
+
+    def commit(self, tokens: Tensor, features: Tensor | None = None) -> None:
+        self.seq.extend(tokens.reshape(-1).tolist())
+        self.trees.commit(tokens, features)
+
+    def _logits(self, new: list[int]) -> Tensor:
+        """Feed tokens [n] after the cache; logits [V] (float32) after the last one."""
+        device = self.model.device
+        out = self.model(input_ids=torch.tensor([new], device=device), past_key_values=self.cache, use_cache=True)
+        self.cached.extend(new)
+        return out.logits[0, -1].float()
+
+    def _catch_up(self) -> Tensor:
+        """Drop cached drafts that were not committed; feed the rest of the sequence (at least the root)."""
+        keep = 0
+        limit = min(len(self.cached), len(self.seq) - 1)
+        while keep < limit and self.cached[keep] == self.seq[keep]:
+            keep += 1
+        if len(self.cached) > keep:
+            self.cache.crop(-(len(self.cached) - keep))
+            del self.cached[keep:]
+        return self._logits(self.seq[keep:])
+
+    @torch.inference_mode()
+    def propose(self, spec, sampling, generator: torch.Generator | None = None):
+        from draftlab.trees import chain
+
+        if spec.kind != "chain":
+            return self.trees.propose(spec, sampling, generator)
+        logits = self._catch_up()
+        tokens, qs = [], []
+        for i in range(spec.draft_length):
+            if i > 0:
+                logits = self._logits([int(tokens[-1])])
+            if sampling.greedy:
+                tokens.append(logits.argmax())
+            else:
+                qs.append(sampling.probs(logits))
+                tokens.append(torch.multinomial(qs[-1], 1, generator=generator)[0])
+        if sampling.greedy or not tokens:
+            return chain(torch.stack(tokens) if tokens else torch.zeros(0, dtype=torch.long, device=logits.device))
+        return chain(torch.stack(tokens), torch.stack(qs), "with_replacement")
