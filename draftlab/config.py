@@ -245,13 +245,22 @@ def _describe_key_error(key: str) -> str:
     return f"invalid config key '{key}'"
 
 
+def _field_type_name(key: str) -> str:
+    section, _, name = key.rpartition(".")
+    try:
+        kind = {f.name: f for f in fields(_section_class(section))}[name].type
+    except (KeyError, TypeError):
+        return "another type"
+    return kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+
+
 def _merge(base: DictConfig, layer: DictConfig, origin: str) -> DictConfig:
     try:
         return OmegaConf.merge(base, layer)
     except ConfigKeyError as e:
         raise ConfigError(f"{origin}: {_describe_key_error(e.full_key)}") from None
     except ValidationError as e:
-        expected = e.ref_type.__name__ if getattr(e, "ref_type", None) else "another type"
+        expected = _field_type_name(e.full_key)
         raise ConfigError(f"{origin}: config key '{e.full_key}' got {e.value!r}, expected {expected}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{origin}: {str(e).splitlines()[0]}") from None

@@ -187,8 +187,16 @@ def make_accelerator(cfg, out_dir: Path) -> Accelerator:
     if mixed == "auto":
         mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
     trackers = [t for t in tracking_list(cfg) if t != "jsonl"]
-    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed,
-                       log_with=trackers or None, project_dir=str(out_dir))
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed,
+                              log_with=trackers or None, project_dir=str(out_dir))
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:  # our batches bypass accelerate's DataLoader, so fill DeepSpeed's "auto" fields here
+        ds = plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
+        ds["gradient_accumulation_steps"] = 1  # draftlab accumulates micro-batches itself (no_sync + one step)
+        ds["train_batch_size"] = cfg.train.batch_size * accelerator.num_processes
+        ds["gradient_clipping"] = cfg.train.grad_clip
+    return accelerator
 
 
 def pad_id(tokenizer) -> int:
