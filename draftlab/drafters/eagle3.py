@@ -1,0 +1,290 @@
+"""EAGLE-3 head: multi-layer feature fusion, training-time test (TTT) and a reduced draft vocabulary.
+
+Paper: Li et al., "EAGLE-3: Scaling up Inference Acceleration of Large Language Models via Training-Time Test"
+(NeurIPS 2025); method_specs.md 2.3. Drafting uses EAGLE-2 dynamic trees (and chains / static trees) through
+the EAGLE-1 proposer, which this head plugs into unchanged.
+
+What it optimises: the target's residual streams entering three decoder layers (low, middle, high; by default
+`output_hidden_states` indices [2, L//2, L-3]) are concatenated and fused, g_t (3d) -> FC -> a_t (d). One
+decoder layer reads [norm(emb(x_{t+1})); norm(s)] (2d) with the un-normed s as its residual and outputs o;
+draft logits = own_lm_head(norm(o)) over a draft vocabulary of the most frequent assistant tokens. No feature
+regression: the loss is the soft cross-entropy against the target's next-token distribution (from the
+post-norm last state through the target's frozen LM head), restricted to the draft vocabulary and
+renormalised, summed over TTT steps j = 0..S-1 with weights decay^j.
+
+Training-time test (alignment, with n = T-1 pair slots, slot t at RoPE position t over valid pairs):
+    step 0, slot t: hidden a_t, token x_{t+1}, position t; sees step-0 slots 0..t (causal).
+    step j, slot t: hidden o^{(j-1)}_t (the head's own previous output, not detached), token x_{t+1+j},
+        position t+j; sees step-0 slots 0..t and the step-1..j entries of slot t only (the diagonal).
+    Its output predicts x_{t+2+j}: target = the target's distribution at position t+1+j; weight =
+    loss_mask[t+2+j] (as in eagle.py: it counts when the drafted token is an assistant token) and 0 where the
+    target's argmax lies outside the draft vocabulary (it could not be drafted). Each step's loss is a mean over
+    its valid slots (the reference divides by B*T instead; ours follows losses.py).
+This is exactly the attention a draft node at depth j+1 has at inference: the real context up to t and its own
+ancestors. Keys of earlier steps live in a KV cache (after RoPE), so step j runs one attention call over
+(j+1) n keys with a block mask [causal | eye | ... | eye].
+
+Draft vocabulary: `prepare(dataset)` counts assistant tokens (loss_mask) and keeps the draft_vocab_size most
+frequent (ties by id), sorted ascending as `draft_vocab`; d2t[i] = draft_vocab[i] - i (target id = i + d2t[i])
+and t2d[v] = v in the draft vocabulary. The list is saved in drafter_config.json, so it survives save/load.
+The proposer sees logits over the target vocabulary with -inf outside the draft vocabulary.
+"""
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from types import SimpleNamespace
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+from draftlab.drafters.eagle import EagleProposer, _additive
+
+_DEFAULTS = {"ttt_steps": 7, "ttt_decay": 0.8, "draft_vocab_size": 0}
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """[2, L//2, L-3] (method_specs 2.3), clamped into 1..L-1 and sorted so tiny targets get valid indices."""
+    return sorted(min(max(i, 1), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
+
+
+def vocab_maps(draft_vocab: Tensor, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """draft_vocab [Vd] (ascending target ids) -> d2t [Vd] offsets (target = draft + d2t[draft]), t2d [V] bool."""
+    d2t = draft_vocab - torch.arange(len(draft_vocab), device=draft_vocab.device)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool, device=draft_vocab.device)
+    t2d[draft_vocab] = True
+    return d2t, t2d
+
+
+class Eagle3Head(nn.Module):
+    """FC(g_t) -> one two-norm decoder layer -> o; logits = lm_head(norm(o)) over the draft vocabulary.
+
+    The token embedding and the target's LM head (used only for the training target) are borrowed, frozen and
+    never saved, as in EagleHead. `forward`/`logits` follow EagleHead's interface so EagleProposer drives it.
+    """
+
+    kind = "eagle3"
+
+    def __init__(self, target, aux_layers: list[int] | None = None, ttt_steps: int = 7, ttt_decay: float = 0.8,
+                 draft_vocab_size: int = 0, draft_vocab: list[int] | None = None):
+        super().__init__()
+        decoder = target.get_decoder()
+        config = copy.deepcopy(target.config.get_text_config(decoder=True))
+        num_target_layers = config.num_hidden_layers
+        config.num_hidden_layers = 1
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = list(config.layer_types)[:1]
+        if config._attn_implementation not in ("eager", "sdpa"):     # tree masks need explicit 4-D masks
+            config._attn_implementation = "sdpa"
+        aux = list(aux_layers) if aux_layers else default_aux_layers(num_target_layers)
+        if len(aux) < 2 or not all(0 <= i < num_target_layers for i in aux):
+            raise ValueError(f"drafter.aux_layers={aux}: EAGLE-3 fuses at least 2 residual states with indices in "
+                             f"0..{num_target_layers - 1} (the post-norm state {num_target_layers} is not one)")
+        if ttt_steps < 1:
+            raise ValueError(f"drafter.ttt_steps={ttt_steps}: at least 1 training-time-test step is needed")
+        self.aux_layers, self.ttt_steps, self.ttt_decay = aux, ttt_steps, ttt_decay
+        self.feature_layers = tuple(aux) + (-1,)       # the last state gives the training target distribution
+        self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
+        self.draft_vocab_size = draft_vocab_size if 0 < draft_vocab_size < config.vocab_size else 0
+
+        d = config.hidden_size
+        self.fc = nn.Linear(len(aux) * d, d, bias=False)
+        self.layer = type(decoder.layers[0])(config, layer_idx=0)
+        self.emb_norm = copy.deepcopy(self.layer.input_layernorm)     # input_layernorm normalises the hidden s
+        attn = self.layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):                    # attention reads [emb; hidden]: 2d wide
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(2 * d, old.out_features, bias=old.bias is not None))
+        self.norm = copy.deepcopy(decoder.norm).requires_grad_(True)
+        self.lm_head = nn.Linear(d, self.draft_vocab_size or config.vocab_size, bias=False)
+
+        embed, target_head = target.get_input_embeddings(), target.get_output_embeddings()
+        for module in (embed, target_head):
+            module.requires_grad_(False)
+        self._borrowed = SimpleNamespace(embed=embed, lm_head=target_head, rotary=decoder.rotary_emb)
+        self.to(device=embed.weight.device)
+        self.register_buffer("draft_vocab", torch.arange(self.lm_head.out_features, device=embed.weight.device),
+                             persistent=False)
+        self.vocab_ready = self.draft_vocab_size == 0
+        if draft_vocab is not None:
+            self.set_draft_vocab(draft_vocab)
+        else:
+            self._init_lm_head()
+
+    # --- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target, cfg=None) -> "Eagle3Head":
+        """cfg: any object with ttt_steps, ttt_decay, draft_vocab_size, aux_layers (missing = defaults)."""
+        aux = getattr(cfg, "aux_layers", None)
+        return cls(target, aux_layers=list(aux) if aux else None,
+                   **{k: getattr(cfg, k, v) for k, v in _DEFAULTS.items()})
+
+    def drafter_config(self) -> dict:
+        if not self.vocab_ready:
+            raise RuntimeError("the EAGLE-3 draft vocabulary was never built: call prepare(dataset) before saving")
+        return {"kind": self.kind, "feature_layers": list(self.feature_layers), "aux_layers": self.aux_layers,
+                "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+                "ttt_steps": self.ttt_steps, "ttt_decay": self.ttt_decay, "draft_vocab_size": self.draft_vocab_size,
+                "draft_vocab": self.draft_vocab.tolist() if self.draft_vocab_size else None}
+
+    @classmethod
+    def from_config(cls, config: dict, target) -> "Eagle3Head":
+        text = target.config.get_text_config()
+        for key in ("hidden_size", "vocab_size"):
+            if key in config and config[key] != getattr(text, key):
+                raise ValueError(f"eagle3 checkpoint was trained for {key}={config[key]} but the target has "
+                                 f"{getattr(text, key)}: load it with the target it was trained on")
+        return cls(target, aux_layers=config["aux_layers"], draft_vocab=config.get("draft_vocab"),
+                   **{k: config.get(k, v) for k, v in _DEFAULTS.items()})
+
+    def prepare(self, dataset) -> None:
+        """Build the draft vocabulary from the assistant-token frequencies of the training rows
+        (dataset[i] = {input_ids, loss_mask}); a no-op for the full vocabulary."""
+        if not self.draft_vocab_size:
+            return
+        counts: Counter = Counter()
+        for i in range(len(dataset)):
+            row = dataset[i]
+            counts.update(t for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
+        if len(counts) < self.draft_vocab_size:
+            raise ValueError(f"drafter.draft_vocab_size={self.draft_vocab_size} but the training data has only "
+                             f"{len(counts)} distinct assistant tokens: set drafter.draft_vocab_size to at most "
+                             f"{len(counts)} (or 0 for the full vocabulary), or train on more data")
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: self.draft_vocab_size]
+        covered = sum(c for _, c in ranked) / sum(counts.values())
+        print(f"eagle3 draft vocabulary: {self.draft_vocab_size} of {len(counts)} distinct assistant tokens, "
+              f"covering {covered:.1%} of assistant tokens", flush=True)
+        self.set_draft_vocab([t for t, _ in ranked])
+
+    def set_draft_vocab(self, token_ids: list[int]) -> None:
+        """Install a draft vocabulary (any order; stored ascending) and initialise the LM head rows from it."""
+        ids = torch.tensor(sorted(set(int(t) for t in token_ids)), dtype=torch.long, device=self.draft_vocab.device)
+        if self.draft_vocab_size and len(ids) != self.draft_vocab_size:
+            raise ValueError(f"a draft vocabulary of {len(ids)} distinct tokens for draft_vocab_size="
+                             f"{self.draft_vocab_size}")
+        if len(ids) and (ids[0] < 0 or ids[-1] >= self.vocab_size):
+            raise ValueError(f"draft vocabulary ids must lie in 0..{self.vocab_size - 1}")
+        self.draft_vocab = ids
+        self.vocab_ready = True
+        self._init_lm_head()
+
+    def _init_lm_head(self) -> None:
+        """Start from the target's LM-head rows of the draft tokens (the reference starts from random: ours
+        makes short runs converge sooner and is overwritten by loaded weights)."""
+        with torch.no_grad():
+            self.lm_head.weight.copy_(self._borrowed.lm_head.weight[self.draft_vocab])
+
+    @property
+    def d2t(self) -> Tensor:
+        return vocab_maps(self.draft_vocab, self.vocab_size)[0]
+
+    @property
+    def t2d(self) -> Tensor:
+        return vocab_maps(self.draft_vocab, self.vocab_size)[1]
+
+    # --- the network ---------------------------------------------------------------------------------------
+    def forward(self, features: Tensor, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None,
+                cache: DynamicCache | None = None) -> Tensor:
+        """features [B,S,A*d] fused target states g_t, or [B,S,d] the head's own earlier outputs (fed raw, as at
+        inference); input_ids [B,S]; position_ids [B,S]; attention_mask additive [B,1,S,K] (K = cached + S);
+        cache: the head's KV cache, extended in place. Returns o [B,S,d] (un-normed)."""
+        dtype = self.fc.weight.dtype
+        s = features.to(dtype)
+        if s.shape[-1] != self.hidden_size:
+            s = self.fc(s)
+        emb = self._borrowed.embed(input_ids).to(dtype)
+        u = torch.cat([self.emb_norm(emb), self.layer.input_layernorm(s)], dim=-1)
+        position_embeddings = self._borrowed.rotary(s, position_ids)
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(s.dtype)
+        attn = self.layer.self_attn(hidden_states=u, position_embeddings=position_embeddings,
+                                    attention_mask=attention_mask, past_key_values=cache)[0]
+        h = s + attn
+        return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
+
+    def draft_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [..., d] -> logits over the draft vocabulary [..., Vd]."""
+        return self.lm_head(self.norm(hidden.to(self.lm_head.weight.dtype)))
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """hidden [..., d] -> logits over the target vocabulary [..., V], -inf outside the draft vocabulary."""
+        small = self.draft_logits(hidden)
+        if not self.draft_vocab_size:
+            return small
+        full = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.draft_vocab, small)
+
+    @staticmethod
+    def ttt_mask(valid: Tensor, step: int) -> Tensor:
+        """Visibility of step `step`'s queries, bool [B, n, (step+1) n]: block 0 = step-0 slots 0..t that are
+        valid (plus t itself at step 0, so no row is empty), then one identity block per step 1..step."""
+        n = valid.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=valid.device).tril()
+        eye = torch.eye(n, dtype=torch.bool, device=valid.device)
+        first = causal & valid[:, None, :]
+        if step == 0:
+            return first | eye
+        return torch.cat([first] + [eye.expand_as(first)] * step, dim=-1)
+
+    def ttt_outputs(self, aux: Tensor, input_ids: Tensor, valid: Tensor) -> list[Tensor]:
+        """The head's outputs o^{(j)} [B,n,d] for steps j = 0..min(S, n)-1. aux [B,n,A*d]: fused states g_t of
+        slots t = 0..n-1; input_ids [B,n+1] (x_0..x_n); valid [B,n] bool: slot t is a real pair."""
+        n = valid.shape[1]
+        dtype = self.fc.weight.dtype
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)           # left padding is harmless
+        hidden, cache, outputs = aux.to(dtype), DynamicCache(), []
+        for j in range(min(self.ttt_steps, n)):
+            tokens = torch.zeros_like(input_ids[:, 1:])
+            tokens[:, : n - j] = input_ids[:, 1 + j:]                     # x_{t+1+j}; past the row: ignored
+            mask = _additive(self.ttt_mask(valid, j)[:, None], dtype)
+            hidden = self(hidden, tokens, positions + j, mask, cache)
+            outputs.append(hidden)
+        return outputs
+
+    def loss(self, batch: dict, features: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """batch: input_ids, attention_mask, loss_mask [B,T]; features [B,T,(A+1)d] = aux states then the
+        post-norm last state. Returns sum_j decay^j * CE_j (see the module docstring for the alignment)."""
+        from draftlab.losses import soft_cross_entropy
+
+        if not self.vocab_ready:
+            raise RuntimeError("the EAGLE-3 draft vocabulary was never built: call prepare(dataset) first")
+        ids, attn = batch["input_ids"], batch["attention_mask"].bool()
+        d, T = self.hidden_size, ids.shape[1]
+        n = T - 1
+        with torch.no_grad():
+            full = self._borrowed.lm_head(features[..., -d:].to(self._borrowed.lm_head.weight.dtype))  # [B,T,V]
+            in_vocab = self.t2d[full.argmax(-1)] if self.draft_vocab_size else torch.ones_like(attn)
+            target_logits = full[..., self.draft_vocab] if self.draft_vocab_size else full
+            del full
+        wanted = batch["loss_mask"].bool() & attn
+
+        valid = attn[:, :-1] & attn[:, 1:]                              # slot t: g_t and x_{t+1} are real
+        total = torch.zeros((), device=ids.device)
+        metrics: dict[str, float] = {}
+        for j, hidden in enumerate(self.ttt_outputs(features[:, :-1, :-d], ids, valid)):
+            target = torch.zeros_like(target_logits[:, :n])
+            target[:, : n - j] = target_logits[:, 1 + j:]                 # target's distribution at t+1+j
+            weight = torch.zeros_like(valid)
+            if n - 1 - j > 0:                                             # drafted token x_{t+2+j} inside the row
+                weight[:, : n - 1 - j] = wanted[:, 2 + j:] & in_vocab[:, 1 + j: T - 1] & attn[:, 1 + j: T - 1]
+            weight &= valid
+            logits = self.draft_logits(hidden)
+            step_loss = soft_cross_entropy(logits, target, weight)
+            total = total + self.ttt_decay ** j * step_loss
+            agree = (logits.argmax(-1) == target.argmax(-1)) & weight
+            metrics[f"acc_{j}"] = (agree.sum() / weight.sum().clamp(min=1)).item()
+            metrics[f"loss_{j}"] = step_loss.item()
+        return total, metrics
+
+    def proposer(self, target=None, **opts) -> "Eagle3Proposer":
+        return Eagle3Proposer(self)
+
+
+class Eagle3Proposer(EagleProposer):
+    """EagleProposer over an Eagle3Head: the same cache of real pairs and draft entries, chains, EAGLE-2
+    dynamic trees and static trees. Only the features differ: the fused aux states (no post-norm state)."""
+
+    def __init__(self, head: Eagle3Head):
+        self.feature_layers = tuple(head.aux_layers)
+        super().__init__(head)
