@@ -138,8 +138,6 @@ def test_no_step_sees_a_future_position(target):
 
 def test_loss_alignment_and_padding(target):
     """Step j at slot t is scored against the target's distribution at t+1+j, weighted by loss_mask[t+2+j]."""
-    import torch.nn.functional as F
-
     model, tok = target
     head = _head(model, ttt_steps=3).eval()
     ids = _ids(tok, "Speculative decoding drafts tokens and the target verifies them")[None]
