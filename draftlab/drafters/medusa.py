@@ -1,0 +1,345 @@
+"""Medusa heads: K parallel heads on the target's last hidden state (Medusa-1), and Medusa-2 with LoRA.
+
+Paper: Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads" (ICML 2024);
+method_specs.md 3 (training) and 1.5 (static trees).
+
+What it optimises (Medusa-1, kind "medusa"): head k (0-based) = ResBlock x medusa_layers -> Linear(d, V), with
+ResBlock(x) = x + SiLU(W x + b), W and b zero-initialised (each head starts as the identity) and the Linear
+initialised from the target's LM head. From the post-norm state h_t, head k predicts token x_{t+2+k} (the
+target's own head predicts x_{t+1}); 1-based, head k predicts x_{t+1+k}. Loss: sum_k medusa_weight *
+medusa_decay^(k+1) * CE_k (the official recipe's 1-based decay), each CE over positions whose label is an
+assistant token.
+
+Medusa-2 (kind "medusa2"): the same heads trained jointly with LoRA adapters on the target (peft, all linear
+layers but the LM head) plus kl_weight * KL(p_original || p_adapted) on the target's next-token distribution
+(the reference has the adapters disabled), which keeps the adapted model close to the original. The model
+being served is then the ADAPTED target (the LoRA weights merge into it): its outputs are what Medusa-2
+speculation reproduces exactly, and those differ slightly from the original target's. Evaluation is therefore
+against the adapted target: `from_target` / `from_config` install the adapters into the target object they
+are given, so the evaluator's verifier, its target-only baseline and the proposer's features all come from the
+adapted model (lossless is relative to it), and the training metrics report how far it drifted (kl, agree).
+
+Tree choices: while training, the loss keeps a running tally (decayed by 0.99 per step) of the rank at which
+each head's top-10 list holds the label. `drafter_config()` turns those per-head, per-rank accuracies into a
+static tree of `medusa_tree_nodes` paths (the greedy best-first construction of Medusa: the path
+[i1, ..., id] is worth prod_k acc[k, i_k]) and saves both; an untrained head uses a prior. The proposer uses
+that tree whenever the evaluator asks for a static tree without choices of its own (TreeSpec's default).
+"""
+from __future__ import annotations
+
+import heapq
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from draftlab.trees import EAGLE_DEFAULT_CHOICES, DraftTree, chain, rerank, static_tree, subtree
+
+TOPK = 10                      # ranks tallied per head, and the widest rank a static tree may use
+TALLY_DECAY = 0.99             # running accuracies weigh the last ~100 training steps
+_DEFAULTS = {"medusa_heads": 4, "medusa_layers": 1, "medusa_decay": 0.8, "medusa_weight": 0.2,
+             "medusa_tree_nodes": 63}
+_LORA_DEFAULTS = {"lora_r": 32, "lora_alpha": 64, "lora_dropout": 0.0, "kl_weight": 1.0}
+
+
+def prior_accuracy(num_heads: int, ranks: int = TOPK) -> Tensor:
+    """A stand-in for measured accuracies: acc[k, i] = 0.6^(k+1) * 0.5^i (shape of Medusa's published table)."""
+    k, i = torch.arange(num_heads, dtype=torch.float32)[:, None], torch.arange(ranks, dtype=torch.float32)
+    return 0.6 ** (k + 1) * 0.5 ** i
+
+
+def choices_from_accuracy(acc: Tensor, num_nodes: int) -> list[list[int]]:
+    """Greedy static tree (method_specs 1.5): acc [K, R] = P(head k's rank-i token is the label). Adds, best
+    first, the path of largest prod_k acc[k, i_k] among the children of the paths already chosen, so every
+    prefix of a chosen path is chosen. Returns num_nodes paths (fewer if K*R allows fewer), by depth then path."""
+    acc = acc.float().clamp(min=0).tolist()
+    heap = [(-acc[0][i], (i,)) for i in range(len(acc[0]))]
+    heapq.heapify(heap)
+    chosen: list[tuple[int, ...]] = []
+    while heap and len(chosen) < num_nodes:
+        neg, path = heapq.heappop(heap)
+        chosen.append(path)
+        if len(path) < len(acc):
+            for i in range(len(acc[len(path)])):
+                heapq.heappush(heap, (neg * acc[len(path)][i], path + (i,)))
+    return [list(p) for p in sorted(chosen, key=lambda p: (len(p), p))]
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b), zero-initialised: the identity until trained. [..., d] -> [..., d]."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.linear = nn.Linear(d, d)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads on the target's post-norm last hidden state (Medusa-1: the target stays frozen)."""
+
+    kind = "medusa"
+    feature_layers = (-1,)
+
+    def __init__(self, target, medusa_heads: int = 4, medusa_layers: int = 1, medusa_decay: float = 0.8,
+                 medusa_weight: float = 0.2, medusa_tree_nodes: int = 63, tree_choices: list | None = None,
+                 head_accuracy: list | None = None):
+        super().__init__()
+        if medusa_heads < 1 or medusa_layers < 0:
+            raise ValueError(f"drafter.medusa_heads={medusa_heads} must be >= 1 and medusa_layers={medusa_layers} "
+                             ">= 0")
+        text = target.config.get_text_config()
+        d, vocab = text.hidden_size, text.vocab_size
+        self.medusa_heads, self.medusa_layers, self.medusa_decay = medusa_heads, medusa_layers, medusa_decay
+        self.medusa_weight, self.medusa_tree_nodes = medusa_weight, medusa_tree_nodes
+        self.hidden_size, self.vocab_size = d, vocab
+        lm_head = target.get_output_embeddings()
+        self.heads = nn.ModuleList()
+        for _ in range(medusa_heads):
+            out = nn.Linear(d, vocab, bias=False)
+            with torch.no_grad():
+                out.weight.copy_(lm_head.weight)
+            self.heads.append(nn.Sequential(*[ResBlock(d) for _ in range(medusa_layers)], out))
+        self.to(device=lm_head.weight.device)
+        ranks = min(TOPK, vocab)
+        self.register_buffer("hits", torch.zeros(medusa_heads, ranks, device=lm_head.weight.device), persistent=False)
+        self.register_buffer("seen", torch.zeros(medusa_heads, device=lm_head.weight.device), persistent=False)
+        self.saved_accuracy = torch.tensor(head_accuracy) if head_accuracy is not None else None
+        self.saved_choices = tree_choices
+
+    # --- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target, cfg=None) -> "MedusaHeads":
+        """cfg: any object with medusa_heads, medusa_layers, medusa_decay, medusa_weight, medusa_tree_nodes."""
+        return cls(target, **{k: getattr(cfg, k, v) for k, v in _DEFAULTS.items()})
+
+    def drafter_config(self) -> dict:
+        return {"kind": self.kind, "feature_layers": list(self.feature_layers), "hidden_size": self.hidden_size,
+                "vocab_size": self.vocab_size, **{k: getattr(self, k) for k in _DEFAULTS},
+                "head_accuracy": self.head_accuracy().tolist(), "accuracy_measured": bool((self.seen > 0).all()),
+                "tree_choices": self.tree_choices()}
+
+    @classmethod
+    def _check_target(cls, config: dict, target) -> None:
+        text = target.config.get_text_config()
+        for key in ("hidden_size", "vocab_size"):
+            if key in config and config[key] != getattr(text, key):
+                raise ValueError(f"{config.get('kind')} checkpoint was trained for {key}={config[key]} but the "
+                                 f"target has {getattr(text, key)}: load it with the target it was trained on")
+
+    @classmethod
+    def from_config(cls, config: dict, target) -> "MedusaHeads":
+        cls._check_target(config, target)
+        return cls(target, tree_choices=config.get("tree_choices"), head_accuracy=config.get("head_accuracy"),
+                   **{k: config.get(k, v) for k, v in _DEFAULTS.items()})
+
+    # --- heads, loss, measured accuracies -----------------------------------------------------------------
+    def head_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [..., d] -> logits [K, ..., V] of every head."""
+        hidden = hidden.to(self.heads[0][-1].weight.dtype)
+        return torch.stack([head(hidden) for head in self.heads])
+
+    def heads_loss(self, batch: dict, hidden: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """batch: input_ids, attention_mask, loss_mask [B,T]; hidden [B,T,d] post-norm states h_t.
+        Head k reads h_t (t real) and is scored on x_{t+2+k} where that token is a real assistant token."""
+        from draftlab.losses import hard_cross_entropy
+
+        ids, attn = batch["input_ids"], batch["attention_mask"].bool()
+        wanted = batch["loss_mask"].bool() & attn
+        T = ids.shape[1]
+        total = hidden.new_zeros((), dtype=torch.float32)
+        metrics: dict[str, float] = {}
+        for k, head in enumerate(self.heads):
+            shift = 2 + k
+            if shift >= T:
+                break
+            logits = head(hidden[:, :T - shift].to(head[-1].weight.dtype))             # [B, T-shift, V]
+            labels, mask = ids[:, shift:], wanted[:, shift:] & attn[:, :T - shift]
+            ce = hard_cross_entropy(logits, labels, mask)
+            total = total + self.medusa_weight * self.medusa_decay ** (k + 1) * ce
+            with torch.no_grad():
+                top = logits.topk(self.hits.shape[1], dim=-1).indices                  # [B, T-shift, R]
+                hit = (top == labels[..., None]) & mask[..., None]
+                self.hits[k].mul_(TALLY_DECAY).add_(hit.sum((0, 1)).float())
+                self.seen[k].mul_(TALLY_DECAY).add_(mask.sum().float())
+                metrics[f"loss_{k}"] = ce.item()
+                metrics[f"acc_{k}"] = (hit[..., 0].sum() / mask.sum().clamp(min=1)).item()
+        return total, metrics
+
+    def loss(self, batch: dict, features: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """features [B,T,d]: the target's post-norm last hidden state."""
+        return self.heads_loss(batch, features)
+
+    def head_accuracy(self) -> Tensor:
+        """[K, R]: P(head k's rank-i token is the label), from training (or as loaded, or the prior)."""
+        if bool((self.seen > 0).all()):
+            return (self.hits / self.seen[:, None]).cpu()
+        if self.saved_accuracy is not None:
+            return self.saved_accuracy
+        return prior_accuracy(self.medusa_heads, self.hits.shape[1])
+
+    def tree_choices(self) -> list[list[int]]:
+        """The static tree for the current accuracies (the loaded one until training measures new ones)."""
+        if self.saved_choices is not None and not bool((self.seen > 0).all()):
+            return [list(c) for c in self.saved_choices]
+        return choices_from_accuracy(self.head_accuracy(), self.medusa_tree_nodes)
+
+    def proposer(self, target=None, **opts) -> "MedusaProposer":
+        return MedusaProposer(self)
+
+
+class MedusaProposer:
+    """Drafts from the heads at the newest target state: root = the newest token (the target's own head made
+    it), depth d+1 = head d. chain: each head's top-1 (or a draw from its processed distribution when sampling),
+    at most K tokens. static: Cartesian candidates (head d's rank-i token under every parent, method_specs 1.5),
+    from spec.choices or, for TreeSpec's default choices, the drafter's own measured tree. dynamic: EAGLE-2's
+    expansion and reranking with the heads' log-probs as path scores. Trees are deterministic ("topk")."""
+
+    feature_layers = (-1,)
+
+    def __init__(self, heads: MedusaHeads):
+        self.heads = heads
+        self.choices = heads.tree_choices()
+        self.last = None
+
+    def reset(self, prompt_ids: Tensor) -> None:
+        self.last = None                                          # h at the newest processed position [d]
+
+    def commit(self, tokens: Tensor, features: Tensor | None) -> None:
+        if features is not None and len(features):
+            self.last = features[-1]
+
+    @torch.no_grad()
+    def propose(self, spec, sampling, generator: torch.Generator | None = None) -> DraftTree:
+        if self.last is None:
+            raise RuntimeError("MedusaProposer.propose needs commit() with the target's features first")
+        logits = self.heads.head_logits(self.last).float()        # [K, V]
+        K = logits.shape[0]
+        if spec.kind == "chain":
+            k = min(spec.draft_length, K)
+            if sampling.greedy:
+                return chain(logits[:k].argmax(-1))
+            q = sampling.probs(logits[:k])
+            return chain(torch.multinomial(q, 1, generator=generator)[:, 0], q)
+        if spec.kind == "static":
+            given = spec.choices is not None and [list(c) for c in spec.choices] != EAGLE_DEFAULT_CHOICES
+            choices = [list(c) for c in (spec.choices if given else self.choices) if len(c) <= K]
+            if not choices:
+                raise ValueError(f"static tree choices are all deeper than the {K} Medusa heads")
+            widest = max(max(c) for c in choices) + 1
+            if widest > logits.shape[-1]:
+                raise ValueError(f"static tree choices use rank {widest - 1}, beyond the vocabulary")
+            return static_tree(choices, list(logits.topk(widest, dim=-1).indices))
+        if spec.kind == "dynamic":
+            return self._dynamic(logits.log_softmax(-1), min(spec.depth, K), spec.top_k, spec.total_tokens)
+        raise ValueError(f"unknown tree kind {spec.kind!r}: expected chain, static or dynamic")
+
+    @staticmethod
+    def _dynamic(logp: Tensor, depth: int, top_k: int, total: int) -> DraftTree:
+        """Level d holds head d's top_k tokens under each of the top_k best-scored nodes of level d-1 (score =
+        sum of the heads' log-probs along the path); the best `total` nodes are kept as a subtree."""
+        top = logp.topk(min(top_k, logp.shape[-1]), dim=-1)        # [K, k]
+        k, device = top.indices.shape[1], logp.device
+        tokens, parents, scores = [top.indices[0]], [torch.full((k,), -1, device=device)], [top.values[0]]
+        frontier, frontier_scores, made = torch.arange(k, device=device), top.values[0], k
+        for level in range(1, depth):
+            cumulative = (frontier_scores[:, None] + top.values[level][None, :]).flatten()   # [k*k]
+            tokens.append(top.indices[level].repeat(len(frontier)))
+            parents.append(frontier.repeat_interleave(k))
+            scores.append(cumulative)
+            best = cumulative.topk(min(k, len(cumulative))).indices
+            frontier, frontier_scores = made + best, cumulative[best]
+            made += len(cumulative)
+        full = DraftTree(torch.cat(tokens), torch.cat(parents))
+        return subtree(full, *rerank(full.parents, torch.cat(scores), total))
+
+
+class Medusa2Lora(MedusaHeads):
+    """Medusa-2: MedusaHeads trained jointly with LoRA adapters installed IN PLACE in the target (see the module
+    docstring: the adapted target is the model served and evaluated). It runs the target itself inside `loss`
+    (feature_layers = ()); the proposer still reads the post-norm state that the evaluator's forward gives."""
+
+    kind = "medusa2"
+    feature_layers = ()
+    adapts_target = True          # the target's outputs change while training: target-only baselines go stale
+
+    def __init__(self, target, lora_r: int = 32, lora_alpha: int = 64, lora_dropout: float = 0.0,
+                 kl_weight: float = 1.0, **medusa):
+        from peft import LoraConfig, inject_adapter_in_model
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        if any(isinstance(m, BaseTunerLayer) for m in target.modules()):
+            raise ValueError("the target already carries LoRA adapters: load a fresh target for this medusa2 "
+                             "drafter (one target can hold one set of Medusa-2 adapters)")
+        super().__init__(target, **medusa)
+        self.lora_r, self.lora_alpha, self.lora_dropout, self.kl_weight = lora_r, lora_alpha, lora_dropout, kl_weight
+        config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules="all-linear",
+                            bias="none")
+        self.backbone = inject_adapter_in_model(config, target)   # registered: its LoRA weights train and save
+        self.backbone.eval()
+
+    @classmethod
+    def from_target(cls, target, cfg=None) -> "Medusa2Lora":
+        return cls(target, **{k: getattr(cfg, k, v) for k, v in {**_DEFAULTS, **_LORA_DEFAULTS}.items()})
+
+    @classmethod
+    def from_config(cls, config: dict, target) -> "Medusa2Lora":
+        cls._check_target(config, target)
+        return cls(target, tree_choices=config.get("tree_choices"), head_accuracy=config.get("head_accuracy"),
+                   **{k: config.get(k, v) for k, v in {**_DEFAULTS, **_LORA_DEFAULTS}.items()})
+
+    def drafter_config(self) -> dict:
+        return {**super().drafter_config(), **{k: getattr(self, k) for k in _LORA_DEFAULTS}}
+
+    def train(self, mode: bool = True) -> "Medusa2Lora":
+        super().train(mode)
+        self.backbone.eval()                 # the target never trains in dropout mode; only its adapters learn
+        return self
+
+    @contextmanager
+    def original_target(self):
+        """The target with its adapters switched off (the reference for the KL term)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [m for m in self.backbone.modules() if isinstance(m, BaseTunerLayer)]
+        for m in layers:
+            m.enable_adapters(False)
+        try:
+            yield self.backbone
+        finally:
+            for m in layers:
+                m.enable_adapters(True)
+
+    def loss(self, batch: dict, features: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+        """kl_weight * KL(p_original || p_adapted) on positions whose next token is an assistant token, plus the
+        heads' loss on the adapted target's last state. features: ignored (None from the training loop)."""
+        from draftlab.losses import forward_kl
+
+        ids, attn = batch["input_ids"], batch["attention_mask"]
+        out = self.backbone(input_ids=ids, attention_mask=attn, output_hidden_states=True)
+        with torch.no_grad(), self.original_target() as original:
+            reference = original(input_ids=ids, attention_mask=attn).logits
+        mask = batch["loss_mask"][:, 1:].bool() & attn[:, 1:].bool() & attn[:, :-1].bool()
+        kl = forward_kl(out.logits[:, :-1], reference[:, :-1], mask)
+        heads, metrics = self.heads_loss(batch, out.hidden_states[-1])
+        agree = (out.logits[:, :-1].argmax(-1) == reference[:, :-1].argmax(-1)) & mask
+        metrics.update(kl=kl.item(), agree=(agree.sum() / mask.sum().clamp(min=1)).item())
+        return self.kl_weight * kl + heads, metrics
+
+    def proposer(self, target=None, **opts) -> "MedusaProposer":
+        if target is not None and target is not self.backbone:
+            raise ValueError("a medusa2 drafter speculates for its adapted target: pass the target it was built on")
+        return MedusaProposer(self)
+
+    @torch.no_grad()
+    def merge_adapters(self) -> None:
+        """Fold the LoRA weights into the target's linear layers (for serving or export; stop training after)."""
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        for m in self.backbone.modules():
+            if isinstance(m, BaseTunerLayer):
+                m.merge()
