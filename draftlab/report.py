@@ -66,10 +66,10 @@ def build_report(results: list, baseline: dict, *, spec: TreeSpec, sampling: Sam
         "tree": spec.to_dict(),
         "wall_seconds": wall_seconds,
     }
-    if categories is not None:
+    if categories is not None and any(c is not None for c in categories):
         groups: dict[str, list] = {}
         for r, c in zip(results, categories):
-            groups.setdefault(str(c), []).append(r)
+            groups.setdefault("uncategorized" if c is None else str(c), []).append(r)
         report["per_category"] = {c: {"acceptance_length": _tau(rs), "num_prompts": len(rs)}
                                   for c, rs in sorted(groups.items())}
     return report

@@ -37,7 +37,7 @@ def prompts(tiny_target):
 @pytest.fixture(scope="module")
 def greedy_outputs(tiny_target, prompts):
     model, _ = tiny_target
-    return [target_generate(model, p, 30).tokens for p in prompts]
+    return [target_generate(model, p, 24).tokens for p in prompts]
 
 
 def make_proposer(name, model):
@@ -50,8 +50,8 @@ def make_proposer(name, model):
 def test_greedy_speculation_is_lossless(tiny_target, prompts, greedy_outputs, tree, proposer):
     model, _ = tiny_target
     spec = SPECS[tree]
-    for p, ref in zip(prompts, greedy_outputs):
-        res = speculative_generate(model, make_proposer(proposer, model), p, spec, GREEDY, 30)
+    for p, ref in zip(prompts[:2], greedy_outputs):
+        res = speculative_generate(model, make_proposer(proposer, model), p, spec, GREEDY, 24)
         assert res.tokens == ref
         tau = res.new_tokens / res.rounds
         assert 1 <= tau <= spec.max_depth + 1
@@ -73,9 +73,9 @@ def test_copy_chain_reaches_k_plus_one_for_every_k(tiny_target, prompts):
 def test_eos_stops_and_counts_whole_rounds(tiny_target, prompts, greedy_outputs):
     model, _ = tiny_target
     eos = greedy_outputs[0][6]
-    ref = target_generate(model, prompts[0], 30, eos_token_ids=[eos]).tokens
+    ref = target_generate(model, prompts[0], 24, eos_token_ids=[eos]).tokens
     assert ref[-1] == eos and len(ref) <= 7
-    res = speculative_generate(model, TargetCopyProposer(model), prompts[0], TreeSpec(draft_length=4), GREEDY, 30,
+    res = speculative_generate(model, TargetCopyProposer(model), prompts[0], TreeSpec(draft_length=4), GREEDY, 24,
                                eos_token_ids=[eos])
     assert res.tokens == ref
     assert res.new_tokens == 5 * res.rounds
@@ -84,7 +84,7 @@ def test_eos_stops_and_counts_whole_rounds(tiny_target, prompts, greedy_outputs)
 def test_empty_rounds_are_plain_target_steps(tiny_target, prompts, greedy_outputs):
     model, _ = tiny_target
     lookup = PromptLookupProposer(max_ngram=3, min_ngram=3)     # often finds nothing: zero-node rounds
-    res = speculative_generate(model, lookup, prompts[0], TreeSpec(draft_length=3), GREEDY, 30)
+    res = speculative_generate(model, lookup, prompts[0], TreeSpec(draft_length=3), GREEDY, 24)
     assert res.tokens == greedy_outputs[0]
     assert 0 in res.draft_nodes
 
@@ -145,7 +145,7 @@ class FeatureChecker(PromptLookupProposer):
 def test_commit_receives_features_at_root_and_accepted_nodes(tiny_target, prompts, greedy_outputs):
     model, _ = tiny_target
     checker = FeatureChecker(model)
-    res = speculative_generate(model, checker, prompts[2], TreeSpec(draft_length=3), GREEDY, 30)
+    res = speculative_generate(model, checker, prompts[2], TreeSpec(draft_length=3), GREEDY, 24)
     assert res.tokens == greedy_outputs[2] and checker.commits == res.rounds + 1
 
 
