@@ -64,6 +64,8 @@ def main(cfg) -> dict:
 
     # --- drafter, optimiser, schedule --------------------------------------------------------------------
     drafter = DRAFTERS[cfg.drafter.kind].from_target(target, cfg.drafter).to(accelerator.device)
+    if hasattr(drafter, "prepare") and resume_from is None:  # data-dependent set-up (e.g. a draft vocabulary)
+        drafter.prepare(dataset)
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
                                   weight_decay=cfg.train.weight_decay)
