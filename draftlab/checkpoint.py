@@ -26,9 +26,10 @@ class CheckpointError(ValueError):
 
 
 def trainable_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters with requires_grad (and buffers the drafter registered as persistent), detached, contiguous."""
-    keep = {name for name, p in module.named_parameters() if p.requires_grad}
-    return {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items() if k in keep}
+    """Everything in the drafter's state dict except frozen parameters (which come back from the target):
+    trainable parameters and persistent buffers (e.g. a draft-vocabulary map), detached and contiguous."""
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items() if k not in frozen}
 
 
 def save_drafter(drafter: torch.nn.Module, folder: str | Path, extra_files: dict[str, str] | None = None,
