@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -54,27 +55,18 @@ def load(args):
     return tiny_llama(device, pick_dtype(args.dtype, device)), None
 
 
-def median_seconds(fn, repeats: int, device) -> float:
-    fn()                                     # warm-up
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 @torch.inference_mode()
 def forward_costs(model, prefix_len: int, sizes: dict[str, torch.Tensor], repeats: int) -> dict[str, float]:
-    """Median seconds of one forward over (root + tree) after a cached prefix, per tree layout (parents)."""
+    """Median seconds of one forward over (root + tree) after a cached prefix, per tree layout (parents).
+
+    The layouts are timed round-robin, so a change in machine load hits all of them alike.
+    """
     device = model.device
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(model.config.vocab_size, (1, prefix_len), generator=g).to(device)
     cache = DynamicCache(config=model.config)
     model(input_ids=prefix, past_key_values=cache, use_cache=True)
-    out = {}
+    steps = {}
     for name, parents in sizes.items():
         parents = parents.to(device)
         ids = torch.randint(model.config.vocab_size, (1, len(parents) + 1), generator=g).to(device)
@@ -82,13 +74,18 @@ def forward_costs(model, prefix_len: int, sizes: dict[str, torch.Tensor], repeat
         kwargs = {} if is_chain else {
             "attention_mask": tree_attention_bias(parents, prefix_len, model.dtype),
             "position_ids": tree_position_ids(parents, prefix_len)[None]}
-
-        def step():
+        steps[name] = (ids, kwargs)
+    times = {name: [] for name in steps}
+    for r in range(repeats + 1):                    # the first pass is a warm-up
+        for name, (ids, kwargs) in steps.items():
+            _sync(device)
+            t = time.perf_counter()
             model(input_ids=ids, past_key_values=cache, use_cache=True, **kwargs)
+            _sync(device)
+            if r:
+                times[name].append(time.perf_counter() - t)
             cache.crop(-ids.shape[1])
-
-        out[name] = median_seconds(step, repeats, device)
-    return out
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 class ForwardClock:
@@ -170,8 +167,15 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "verification_cost.json"))
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    load_avg = os.getloadavg()[0]
+    if load_avg > 0.5 * (os.cpu_count() or 1):
+        # other busy processes make small CPU matmuls many times slower, multi-token ones most of all
+        print(f"warning: load average {load_avg:.1f} on {os.cpu_count()} cores: timings will be noisy")
 
     model, tok = load(args)
     k = args.draft_length
@@ -213,7 +217,7 @@ def main(argv=None):
 
     result = {"target": args.target or "tiny-random-llama", "device": str(model.device), "dtype": str(model.dtype),
               "prefix_len": args.prefix_len, "repeats": args.repeats, "machine": platform.platform(),
-              "torch_threads": torch.get_num_threads(),
+              "torch_threads": torch.get_num_threads(), "load_average_at_start": load_avg,
               "forward_ms": {n: 1000 * s for n, s in costs.items()},
               "forward_vs_decode_step": {n: s / step for n, s in costs.items()},
               "loop_overhead": loops}
