@@ -145,14 +145,17 @@ class EagleHead(nn.Module):
         visible = (causal & valid[:, None, :]) | eye
         pred = self(inputs, ids[:, 1:], positions, _additive(visible[:, None], features.dtype))
 
-        logits = self.logits(pred)
-        with torch.no_grad():
-            target_logits = self.logits(target)
         loss_reg = masked_smooth_l1(pred.float(), target.float(), weight)
-        loss_cls = soft_cross_entropy(logits, target_logits, weight)
+        # The vocabulary projection dominates the step: run it only where the loss looks ([N, V], N = weighted pairs).
+        keep = weight > 0
+        logits = self.logits(pred[keep])[None]
+        with torch.no_grad():
+            target_logits = self.logits(target[keep])[None]
+        sel_weight = weight[keep][None]
+        loss_cls = soft_cross_entropy(logits, target_logits, sel_weight)
         total = self.reg_weight * loss_reg + self.cls_weight * loss_cls
         agree = (logits.argmax(-1) == target_logits.argmax(-1)).to(weight.dtype)
-        acc = (agree * weight).sum() / weight.sum().clamp(min=1)
+        acc = (agree * sel_weight).sum() / sel_weight.sum().clamp(min=1)
         return total, {"loss_reg": loss_reg.item(), "loss_cls": loss_cls.item(), "acc": acc.item()}
 
     def proposer(self, target=None, **opts) -> "EagleProposer":
