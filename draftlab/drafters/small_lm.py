@@ -263,9 +263,12 @@ class SmallLM(nn.Module):
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     # --- the network --------------------------------------------------------------------------------------
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None) -> Tensor:
-        """input_ids [B, T] -> logits [B, T, V] (position t predicts token t+1)."""
-        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+                logits_to_keep: int = 0) -> Tensor:
+        """input_ids [B, T] -> logits [B, T, V] (position t predicts token t+1); only the last `logits_to_keep`
+        positions when > 0 ([B, logits_to_keep, V])."""
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          logits_to_keep=logits_to_keep).logits
 
     # --- losses -------------------------------------------------------------------------------------------
     def loss(self, batch: dict, features: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
@@ -277,56 +280,58 @@ class SmallLM(nn.Module):
             return self._cross_entropy(*self._continuation(batch, self.target, greedy=True))
         if mode == "online_whitebox":
             on_policy = bool(torch.rand(()) < self.settings["student_ratio"])
-            if on_policy:
-                ids, attn, weight, pos = self._continuation(batch, self.model, greedy=False)
-            else:
-                ids, attn, weight, pos = self._dataset(batch)
+            seq = self._continuation(batch, self.model, greedy=False) if on_policy else self._dataset(batch)
             with torch.no_grad():
-                teacher = self.target(input_ids=ids, attention_mask=attn, position_ids=pos).logits
-            loss, metrics = self._divergence(ids, attn, weight, pos, teacher_logits=teacher)
+                teacher = self.target(input_ids=seq[0], attention_mask=seq[1], position_ids=seq[3],
+                                      logits_to_keep=seq[4]).logits
+            loss, metrics = self._divergence(*seq, teacher_logits=teacher)
             return loss, {**metrics, "on_policy": float(on_policy)}
-        ids, attn, weight, pos = self._dataset(batch)
+        seq = self._dataset(batch)
         if mode == "offline_blackbox":
-            return self._cross_entropy(ids, attn, weight, pos)
+            return self._cross_entropy(*seq)
         missing = [k for k in ("teacher_topk_ids", "teacher_topk_logprobs") if k not in batch]
         if missing:
             raise ValueError(f"small_lm offline_whitebox needs the target's top-k logits in the batch ({missing} "
                              "missing): set data.store=PATH so the training loop builds and reads the store")
-        return self._divergence(ids, attn, weight, pos, topk=(batch["teacher_topk_ids"],
+        return self._divergence(*seq, topk=(batch["teacher_topk_ids"],
                                 batch["teacher_topk_logprobs"], batch.get("teacher_tail_mass")))
 
     @staticmethod
     def _dataset(batch: dict):
-        """The batch as is: ids, attention [B, T], weight [B, T] (1 on assistant tokens), positions None."""
+        """The batch as is: ids, attention [B, T], weight [B, T] (1 on assistant tokens), positions None, and
+        0 = logits at every position."""
         attn = batch["attention_mask"]
-        return batch["input_ids"], attn, batch["loss_mask"] * attn, None
+        return batch["input_ids"], attn, batch["loss_mask"] * attn, None, 0
 
     def _continuation(self, batch: dict, model, greedy: bool):
         """Prompts of the batch continued by `model` (the target: greedy; the student: sampled at T=1):
-        ids [B, P+S], attention [B, P+S], weight [B, P+S] (1 on the new tokens), positions [B, P+S]."""
+        ids [B, P+S], attention [B, P+S], weight [B, P+S] (1 on the new tokens), positions [B, P+S], and S+1:
+        only the logits of the last S+1 positions are needed (the predictions of the S new tokens, plus one)."""
         prompts, prompt_mask = prompt_part(batch, self.pad_id)
         new, new_mask = continue_prompts(model, prompts, prompt_mask, self.settings["rollout_tokens"], self.eos_ids,
                                          self.pad_id, greedy=greedy)
         ids, attn = torch.cat([prompts, new], 1), torch.cat([prompt_mask, new_mask], 1)
         weight = torch.cat([torch.zeros_like(prompt_mask), new_mask], 1)
-        return ids, attn, weight, positions(attn)
+        return ids, attn, weight, positions(attn), new.shape[1] + 1
 
-    def _cross_entropy(self, ids, attn, weight, pos):
+    def _cross_entropy(self, ids, attn, weight, pos, keep: int):
+        """CE of the next token at the weighted positions; keep > 0: only the last `keep` positions can count."""
         from draftlab.losses import hard_cross_entropy
 
-        logits = self(ids, attn, pos)[:, :-1]
-        mask = weight[:, 1:].bool()
-        loss = hard_cross_entropy(logits, ids[:, 1:], mask)
-        acc = (logits.argmax(-1) == ids[:, 1:])[mask].float().mean() if mask.any() else torch.zeros(())
+        logits = self(ids, attn, pos, keep)[:, :-1]
+        labels, mask = ids[:, -keep:][:, 1:], weight[:, -keep:][:, 1:].bool()
+        loss = hard_cross_entropy(logits, labels, mask)
+        acc = (logits.argmax(-1) == labels)[mask].float().mean() if mask.any() else torch.zeros(())
         return loss, {"acc": acc.item(), "tokens": float(mask.sum())}
 
-    def _divergence(self, ids, attn, weight, pos, teacher_logits: Tensor | None = None, topk=None):
+    def _divergence(self, ids, attn, weight, pos, keep: int, teacher_logits: Tensor | None = None, topk=None):
         """Divergence at the weighted positions only: both distributions are gathered to [1, N, V] first, so the
-        dense [B, T, V] teacher never exists for the (long) prompt and padding positions."""
+        dense [B, T, V] teacher never exists for the (long) prompt and padding positions. teacher_logits cover
+        the same last `keep` positions as the student's (all when 0); topk tensors cover every position."""
         from draftlab.losses import DIVERGENCES, sparse_teacher_probs, total_variation
 
-        mask = weight[:, 1:].bool()
-        student = self(ids, attn, pos)[:, :-1][mask][None]                 # [1, N, V]
+        mask = weight[:, -keep:][:, 1:].bool()
+        student = self(ids, attn, pos, keep)[:, :-1][mask][None]           # [1, N, V]
         if topk is not None:
             top_ids, top_lp, tail = (t[:, :-1][mask] if t is not None else None for t in topk)
             teacher = {"teacher_logits": None, "teacher_probs": sparse_teacher_probs(
