@@ -59,6 +59,9 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--turns", choices=["1", "2", "both"], default="1",
+                   help="MT-bench style rows with `turns`: score the first turn, the second turn (a real two-turn "
+                        "conversation whose first answer is the target's own greedy answer), or both")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     return p
@@ -87,7 +90,8 @@ def cmd_eval(argv: list[str]) -> None:
     from draftlab.checkpoint import load_drafter, resolve_checkpoint
     from draftlab.config import ConfigError
     from draftlab.data import encode_prompt, load_prompts
-    from draftlab.evaluator import evaluate, run_baseline, summary_line, write_report
+    from draftlab.evaluator import evaluate, run_baseline
+    from draftlab.report import report_markdown, save_plots, summary_line, write_report
     from draftlab.target import load_target
     from draftlab.train import eos_ids
     from draftlab.trees import TreeSpec
@@ -111,17 +115,50 @@ def cmd_eval(argv: list[str]) -> None:
     spec = TreeSpec(kind=args.tree, draft_length=args.draft_length, depth=args.depth, top_k=args.top_k,
                     total_tokens=args.total_tokens)
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.sampling_top_k)
-    prompt_ids = [encode_prompt(tokenizer, p.messages) for p in prompts]
     eos = eos_ids(tokenizer, target)
+    conversations, categories = conversations_for_turns(prompts, args.turns, target, tokenizer, args.max_new_tokens, eos)
+    prompt_ids = [encode_prompt(tokenizer, messages) for messages in conversations]
     baseline = run_baseline(target, prompt_ids, max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
                             sampling=sampling, seed=args.seed)
     report = evaluate(target, proposer, prompt_ids, spec=spec, sampling=sampling, max_new_tokens=args.max_new_tokens,
-                      eos_token_ids=eos, baseline=baseline, categories=[p.category for p in prompts], seed=args.seed)
+                      eos_token_ids=eos, baseline=baseline, categories=categories, seed=args.seed)
     report["drafter"] = label
     report["prompts"] = args.prompts
+    report["turns"] = args.turns
     write_report(report, args.out)
+    out = Path(args.out)
+    out.with_suffix(".md").write_text(report_markdown(report) + "\n")
+    plots = save_plots(report, out.parent, prefix=out.stem)
     print(summary_line(report))
-    print(f"report: {args.out}")
+    print(f"report: {out} (table: {out.with_suffix('.md')}; plots: {', '.join(plots)})")
+
+
+def conversations_for_turns(prompts, turns: str, target, tokenizer, max_new_tokens: int, eos: list[int]):
+    """Message lists to score, with their categories. Second turns need the first answer: the target's own
+    greedy answer to turn 1 (what a served model would have said), so the conversation is real."""
+    from draftlab.evaluator import target_generate
+
+    first = [p.messages for p in prompts]
+    cats = [p.category for p in prompts]
+    if turns == "1":
+        return first, cats
+    from draftlab.data import encode_prompt
+
+    second, second_cats = [], []
+    for p in prompts:
+        if not p.turns or len(p.turns) < 2:
+            continue
+        answer = target_generate(target, encode_prompt(tokenizer, p.messages), max_new_tokens, eos).tokens
+        text = tokenizer.decode([t for t in answer if t not in eos], skip_special_tokens=True)
+        second.append(p.messages + [{"role": "assistant", "content": text}, {"role": "user", "content": p.turns[1]}])
+        second_cats.append(f"{p.category}/turn2" if p.category else "turn2")
+    if not second:
+        from draftlab.config import ConfigError
+
+        raise ConfigError("--turns 2 needs prompt rows with at least two `turns` (MT-bench format)")
+    if turns == "2":
+        return second, second_cats
+    return first + second, [f"{c}/turn1" if c else "turn1" for c in cats] + second_cats
 
 
 def main(argv: list[str] | None = None) -> int:
