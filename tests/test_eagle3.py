@@ -260,3 +260,25 @@ def test_greedy_speculation_is_lossless(target, dataset, steps):
         assert result.tokens == plain, spec.kind
         tau = result.new_tokens / result.rounds
         assert 1 <= tau <= spec.max_depth + 1
+
+
+def test_recipe_trains_with_lossless_in_loop_evaluation(tiny_target_dir, tiny_chat_file, tiny_prompt_file, tmp_path):
+    """recipes/eagle3_head.yaml composes, prepares its vocabulary, trains and evaluates (once registered)."""
+    import dataclasses
+
+    from draftlab.config import DrafterConfig, load_config
+    from draftlab.drafters import DRAFTERS
+    from draftlab.train import main
+
+    if "eagle3" not in DRAFTERS or "ttt_steps" not in {f.name for f in dataclasses.fields(DrafterConfig)}:
+        pytest.skip("eagle3 is not registered in DRAFTERS / DrafterConfig yet")
+    out = tmp_path / "run"
+    main(load_config(["recipe=eagle3_head", f"target.path={tiny_target_dir}", f"data.train={tiny_chat_file}",
+                      f"data.eval_prompts={tiny_prompt_file}", f"out_dir={out}", "eval.num_prompts=2",
+                      "eval.max_new_tokens=16", "eval.every=1", "train.max_steps=2", "train.batch_size=4",
+                      "train.warmup_steps=0", "data.max_length=160", "tracking=none", "drafter.draft_vocab_size=64",
+                      "drafter.ttt_steps=3", "eval.depth=3", "eval.total_tokens=12"]))
+    for step in (1, 2):
+        report = json.loads((out / f"step_{step}" / "eval.json").read_text())
+        assert report["lossless"] is True and 1 <= report["acceptance_length"] <= 3 + 1
+    assert len(json.loads((out / "step_2" / "drafter_config.json").read_text())["draft_vocab"]) == 64

@@ -245,3 +245,30 @@ def test_medusa2_adapts_the_target_and_is_lossless_against_it(tiny_tokenizer, da
         h = fresh(ids, output_hidden_states=True).hidden_states[-1]
         torch.testing.assert_close(loaded.head_logits(h), drafter.head_logits(h))
     assert speculative_generate(fresh, loaded.proposer(fresh), prompt, SPECS[1], Sampling(), 20).tokens == served
+
+
+@pytest.mark.parametrize("recipe", ["medusa_heads", "medusa2_lora"])
+def test_recipes_train_with_lossless_in_loop_evaluation(recipe, tiny_target_dir, tiny_chat_file, tiny_prompt_file,
+                                                        tmp_path):
+    """Each recipe composes, trains and evaluates in the loop (once its kind is registered). Two evaluations:
+    for medusa2 the second runs after the target's adapters changed, so its baseline must follow them."""
+    import dataclasses
+
+    from draftlab.config import DrafterConfig, load_config
+    from draftlab.drafters import DRAFTERS
+    from draftlab.train import main
+
+    kind = {"medusa_heads": "medusa", "medusa2_lora": "medusa2"}[recipe]
+    if kind not in DRAFTERS or "medusa_heads" not in {f.name for f in dataclasses.fields(DrafterConfig)}:
+        pytest.skip(f"{kind} is not registered in DRAFTERS / DrafterConfig yet")
+    out = tmp_path / "run"
+    main(load_config([f"recipe={recipe}", f"target.path={tiny_target_dir}", f"data.train={tiny_chat_file}",
+                      f"data.eval_prompts={tiny_prompt_file}", f"out_dir={out}", "eval.num_prompts=2",
+                      "eval.max_new_tokens=16", "eval.every=1", "train.max_steps=2", "train.batch_size=4",
+                      "train.grad_accum=1", "train.warmup_steps=0", "train.lr=1e-2", "data.max_length=160",
+                      "tracking=none", "drafter.lora_r=4", "drafter.medusa_tree_nodes=16"]))
+    for step in (1, 2):
+        report = json.loads((out / f"step_{step}" / "eval.json").read_text())
+        assert report["lossless"] is True and 1 <= report["acceptance_length"] <= 4 + 1, step
+    config = json.loads((out / "step_2" / "drafter_config.json").read_text())
+    assert config["accuracy_measured"] and len(config["tree_choices"]) == 16

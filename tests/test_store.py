@@ -207,3 +207,24 @@ def test_dump_features_script(tiny_target_dir, tiny_chat_file, tmp_path, capsys)
     assert dump.main(args + ["--topk", "2"]) == 2           # another plan for the same folder: one error line
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error:") and "topk_logits" in err[-1]      # (after the loading bar)
+
+
+def test_offline_recipe_builds_its_store_beside_the_data(tiny_target_dir, tiny_chat_file, tiny_prompt_file,
+                                                          tmp_path):
+    """recipes/eagle_head_offline.yaml: one command builds FILE.jsonl.store on first use, trains from it, and the
+    in-loop evaluation stays lossless."""
+    import shutil
+
+    from draftlab.config import load_config
+    from draftlab.train import main
+
+    data = tmp_path / "chat.jsonl"
+    shutil.copy(tiny_chat_file, data)
+    out = tmp_path / "run"
+    main(load_config(["recipe=eagle_head_offline", f"target.path={tiny_target_dir}", f"data.train={data}",
+                      f"data.eval_prompts={tiny_prompt_file}", f"out_dir={out}", "eval.num_prompts=2",
+                      "eval.max_new_tokens=16", "eval.every=2", "train.max_steps=2", "train.batch_size=4",
+                      "train.warmup_steps=0", "data.max_length=160", "tracking=none"]))
+    manifest = json.loads((tmp_path / "chat.jsonl.store" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["layers"] == [2]
+    assert json.loads((out / "step_2" / "eval.json").read_text())["lossless"] is True

@@ -275,7 +275,11 @@ class Medusa2Lora(MedusaHeads):
         if any(isinstance(m, BaseTunerLayer) for m in target.modules()):
             raise ValueError("the target already carries LoRA adapters: load a fresh target for this medusa2 "
                              "drafter (one target can hold one set of Medusa-2 adapters)")
+        if lora_r < 1:
+            raise ValueError(f"drafter.lora_r={lora_r}: Medusa-2 needs LoRA adapters of rank >= 1 "
+                             "(recipes/medusa2_lora.yaml uses 32)")
         super().__init__(target, **medusa)
+        lora_alpha = lora_alpha or 2 * lora_r              # 0 = 2r, the convention small_lm uses too
         self.lora_r, self.lora_alpha, self.lora_dropout, self.kl_weight = lora_r, lora_alpha, lora_dropout, kl_weight
         config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules="all-linear",
                             bias="none")
