@@ -1,4 +1,4 @@
-"""Eagle3Head: aux-layer defaults, the training-time-test attention against an explicit inference-style
+"""EagleHead3: aux-layer defaults, the training-time-test attention against an explicit inference-style
 reference, no step seeing a future position, the loss alignment, the draft vocabulary (d2t/t2d), save -> load,
 and lossless greedy speculation (chain, dynamic and static trees) untrained and after a few steps."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftlab.drafters.eagle3 import Eagle3Head, default_aux_layers, vocab_maps
+from draftlab.drafters.eagle3 import EagleHead3, default_aux_layers, vocab_maps
 from draftlab.target import target_features
 
 
@@ -30,9 +30,9 @@ def dataset(target, tiny_chat_file):
     return ChatDataset(read_conversations(tiny_chat_file)[0], target[1], 160)
 
 
-def _head(model, **cfg) -> Eagle3Head:
+def _head(model, **cfg) -> EagleHead3:
     torch.manual_seed(0)
-    return Eagle3Head.from_target(model, SimpleNamespace(**cfg))
+    return EagleHead3.from_target(model, SimpleNamespace(**cfg))
 
 
 def _ids(tokenizer, text: str) -> torch.Tensor:
@@ -129,7 +129,7 @@ def test_no_step_sees_a_future_position(target):
             changed |= not same
     assert changed
 
-    mask = Eagle3Head.ttt_mask(valid, 3)[0]           # [n, 4n]: causal block, then one identity block per step
+    mask = EagleHead3.ttt_mask(valid, 3)[0]           # [n, 4n]: causal block, then one identity block per step
     n = T - 1
     assert torch.equal(mask[:, :n], torch.ones(n, n, dtype=torch.bool).tril())
     for block in range(1, 4):
@@ -197,7 +197,7 @@ def test_draft_vocabulary_and_maps(target, dataset):
         _head(model, draft_vocab_size=distinct + 1).prepare(dataset)
 
 
-def _trained(model, tok, dataset, steps: int, **cfg) -> Eagle3Head:
+def _trained(model, tok, dataset, steps: int, **cfg) -> EagleHead3:
     from draftlab.data import collate
 
     head = _head(model, **cfg)
@@ -224,7 +224,7 @@ def test_save_load_round_trip(target, dataset, tmp_path, monkeypatch):
     head = _trained(model, tok, dataset, 3, draft_vocab_size=48, ttt_steps=3)
     config = json.loads(json.dumps(head.drafter_config()))
     assert config["kind"] == "eagle3" and len(config["draft_vocab"]) == 48
-    monkeypatch.setitem(DRAFTERS, "eagle3", Eagle3Head)
+    monkeypatch.setitem(DRAFTERS, "eagle3", EagleHead3)
     checkpoint.save_drafter(head, tmp_path / "step_3")
     loaded = checkpoint.load_drafter(tmp_path / "step_3", model).eval()
     assert torch.equal(loaded.draft_vocab, head.draft_vocab) and loaded.ttt_steps == 3

@@ -57,7 +57,7 @@ def vocab_maps(draft_vocab: Tensor, vocab_size: int) -> tuple[Tensor, Tensor]:
     return d2t, t2d
 
 
-class Eagle3Head(nn.Module):
+class EagleHead3(nn.Module):
     """FC(g_t) -> one two-norm decoder layer -> o; logits = lm_head(norm(o)) over the draft vocabulary.
 
     The token embedding and the target's LM head (used only for the training target) are borrowed, frozen and
@@ -114,7 +114,7 @@ class Eagle3Head(nn.Module):
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
-    def from_target(cls, target, cfg=None) -> "Eagle3Head":
+    def from_target(cls, target, cfg=None) -> "EagleHead3":
         """cfg: any object with ttt_steps, ttt_decay, draft_vocab_size, aux_layers (missing = defaults)."""
         aux = getattr(cfg, "aux_layers", None)
         return cls(target, aux_layers=list(aux) if aux else None,
@@ -129,7 +129,7 @@ class Eagle3Head(nn.Module):
                 "draft_vocab": self.draft_vocab.tolist() if self.draft_vocab_size else None}
 
     @classmethod
-    def from_config(cls, config: dict, target) -> "Eagle3Head":
+    def from_config(cls, config: dict, target) -> "EagleHead3":
         text = target.config.get_text_config()
         for key in ("hidden_size", "vocab_size"):
             if key in config and config[key] != getattr(text, key):
@@ -277,14 +277,14 @@ class Eagle3Head(nn.Module):
             metrics[f"loss_{j}"] = step_loss.item()
         return total, metrics
 
-    def proposer(self, target=None, **opts) -> "Eagle3Proposer":
-        return Eagle3Proposer(self)
+    def proposer(self, target=None, **opts) -> "EagleProposer3":
+        return EagleProposer3(self)
 
 
-class Eagle3Proposer(EagleProposer):
-    """EagleProposer over an Eagle3Head: the same cache of real pairs and draft entries, chains, EAGLE-2
+class EagleProposer3(EagleProposer):
+    """EagleProposer over an EagleHead3: the same cache of real pairs and draft entries, chains, EAGLE-2
     dynamic trees and static trees. Only the features differ: the fused aux states (no post-norm state)."""
 
-    def __init__(self, head: Eagle3Head):
+    def __init__(self, head: EagleHead3):
         self.feature_layers = tuple(head.aux_layers)
         super().__init__(head)
