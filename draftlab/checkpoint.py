@@ -32,25 +32,71 @@ def trainable_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in module.state_dict().items() if k not in frozen}
 
 
-def save_drafter(drafter: torch.nn.Module, folder: str | Path, extra_files: dict[str, str] | None = None,
-                 trainer_state: dict | None = None) -> Path:
-    """Write drafter config + trainable weights (+ text files, + trainer state) into `folder` atomically."""
+def staging_folder(folder: str | Path) -> Path:
+    """Where `folder` is written before it is renamed into place: a sibling `NAME.tmp`."""
     folder = Path(folder)
-    tmp = folder.with_name(folder.name + ".tmp")
+    return folder.with_name(folder.name + ".tmp")
+
+
+def begin_save(folder: str | Path) -> Path:
+    """Create an empty staging folder for `folder` (a leftover from an interrupted save is discarded first).
+    Several processes may write into it (e.g. DeepSpeed's sharded optimizer) before `save_drafter(staged=True)`."""
+    tmp = staging_folder(folder)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(trainable_state_dict(drafter), str(tmp / WEIGHTS_NAME))
+    return tmp
+
+
+def save_drafter(drafter: torch.nn.Module, folder: str | Path, extra_files: dict[str, str] | None = None,
+                 trainer_state: dict | None = None, state_dict: dict[str, torch.Tensor] | None = None,
+                 staged: bool = False) -> Path:
+    """Write drafter config + trainable weights (+ text files, + trainer state) into `folder` atomically.
+
+    Everything goes to `folder.tmp` first, is flushed to disk, and only then replaces `folder`: a crash at
+    any point leaves either the previous complete folder or the new complete one, never a torn one.
+    `state_dict` overrides `trainable_state_dict(drafter)` (e.g. weights gathered from ZeRO-3 shards);
+    `staged=True` means `begin_save(folder)` was called already and the staging folder may hold other files."""
+    folder = Path(folder)
+    tmp = staging_folder(folder) if staged else begin_save(folder)
+    if not tmp.is_dir():
+        raise CheckpointError(f"{tmp} is missing: call begin_save({folder}) before save_drafter(staged=True)")
+    save_file(trainable_state_dict(drafter) if state_dict is None else state_dict, str(tmp / WEIGHTS_NAME))
     (tmp / CONFIG_NAME).write_text(json.dumps(drafter.drafter_config(), indent=2))
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)
     if trainer_state is not None:
         torch.save(trainer_state, tmp / STATE_NAME)
+    _sync_tree(tmp)
     _replace(tmp, folder)
     return folder
 
 
+def _sync_tree(folder: Path) -> None:
+    """fsync every file in folder (and the folder), so the rename that follows never publishes unwritten data
+    after a power loss (a killed process alone cannot tear the files: the kernel still holds them)."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    _sync_dir(folder)
+
+
+def _sync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # platforms without directory file descriptors
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _replace(tmp: Path, folder: Path) -> None:
-    """Move tmp into folder's place; the old folder is removed only after the new one is complete."""
+    """Move tmp into folder's place; the old folder is removed only after the new one is complete.
+    (A crash between the two renames leaves `NAME.old` and no `NAME`: `recover_interrupted_saves` undoes it.)"""
     if folder.exists():
         old = folder.with_name(folder.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -59,6 +105,38 @@ def _replace(tmp: Path, folder: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, folder)
+    _sync_dir(folder.parent)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write a small text file (e.g. `best`) so that readers see the old or the new content, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def recover_interrupted_saves(out_dir: str | Path) -> list[str]:
+    """Clean up after a crash during saving: a `step_N.old` whose `step_N` is missing (the crash fell between
+    the two renames of a re-save) becomes `step_N` again; staging folders `step_N.tmp` are removed.
+    Returns what was done, one line per folder. Call on one process only, before listing step folders."""
+    out_dir, done = Path(out_dir), []
+    if not out_dir.is_dir():
+        return done
+    for path in sorted(out_dir.iterdir()):
+        base = path.name.rsplit(".", 1)[0]
+        if not (path.is_dir() and STEP_RE.match(base)):
+            continue
+        if path.suffix == ".old" and not (out_dir / base).exists() and (path / CONFIG_NAME).is_file():
+            os.replace(path, out_dir / base)
+            done.append(f"restored {base} from {path.name} (a save was interrupted between two renames)")
+        elif path.suffix in (".tmp", ".old"):
+            shutil.rmtree(path, ignore_errors=True)
+            done.append(f"removed {path.name} (left by an interrupted save)")
+    return done
 
 
 def read_drafter_config(folder: str | Path) -> dict:

@@ -6,13 +6,16 @@
 
 `main(cfg)` reads top to bottom: set-up, data, drafter, optimiser, then the step loop (target forward ->
 drafter loss -> optimiser step), with evaluation + checkpoint every `eval.every` steps and at the end.
+Under several processes (DDP or DeepSpeed through accelerate) each rank takes its share of every global batch,
+the loss of a step is the mean over the valid tokens of all ranks and micro-batches, and checkpoints (written
+by the main process, atomically) hold every rank's RNG stream, so `train.resume=auto` continues exactly.
+Process, device, file and tracker plumbing lives in `draftlab/runtime.py`.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-import random
 import shutil
 import sys
 import time
@@ -24,14 +27,13 @@ if __package__ in (None, ""):  # run as a script: import the package, not its mo
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
     sys.path.insert(0, os.path.dirname(_here))
 
-import numpy as np
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 from draftlab import checkpoint as ckpt
-from draftlab.config import ConfigError, load_config, to_yaml, tracking_list
+from draftlab import runtime
+from draftlab.config import ConfigError, load_config, to_yaml
 
 
 def main(cfg) -> dict:
@@ -41,11 +43,11 @@ def main(cfg) -> dict:
     from draftlab.target import load_target
 
     out_dir = Path(cfg.out_dir)
-    resume_from = find_resume_folder(cfg, out_dir)  # refuses to overwrite an existing run before any loading
     if cfg.train.num_threads > 0:
         torch.set_num_threads(cfg.train.num_threads)
-    accelerator = make_accelerator(cfg, out_dir)
-    is_main = accelerator.is_main_process
+    accelerator = runtime.make_accelerator(cfg, out_dir)
+    is_main, world = accelerator.is_main_process, accelerator.num_processes
+    resume_from = find_resume_folder(cfg, out_dir, accelerator)  # refuses to overwrite a run before any loading
     set_seed(cfg.seed)
 
     # --- target and data -------------------------------------------------------------------------------
@@ -57,8 +59,8 @@ def main(cfg) -> dict:
     if len(dataset) == 0:
         raise ConfigError(f"data.train {cfg.data.train} has no usable conversation "
                           f"({stats}): check the file's format (messages / conversations / prompt+response)")
-    batches = Batches(dataset, cfg.train.batch_size, accelerator.num_processes, accelerator.process_index,
-                      cfg.seed, pad_token_id=pad_id(tokenizer))
+    batches = runtime.Batches(dataset, cfg.train.batch_size, world, accelerator.process_index, cfg.seed,
+                              pad_token_id=pad_id(tokenizer), bucketed=getattr(cfg.train, "bucketed", False))
     if is_main:
         print(f"data: {len(dataset)} conversations from {cfg.data.train} ({stats})", flush=True)
 
@@ -66,28 +68,40 @@ def main(cfg) -> dict:
     drafter = DRAFTERS[cfg.drafter.kind].from_target(target, cfg.drafter).to(accelerator.device)
     if hasattr(drafter, "prepare") and resume_from is None:  # data-dependent set-up (e.g. a draft vocabulary)
         drafter.prepare(dataset)
+    if getattr(cfg.train, "gradient_checkpointing", False) and runtime.enable_gradient_checkpointing(drafter) == 0:
+        tqdm.write(f"train.gradient_checkpointing: drafter kind '{cfg.drafter.kind}' has no transformer layer to "
+                   "checkpoint; training without it")
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
                                   weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
     model = DrafterLoss(drafter)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    # the initialisation above is the same on every process; from here on each rank draws its own noise
+    set_seed(cfg.seed, device_specific=True)
 
     state = {"step": 0, "micro_step": 0, "best_step": None, "best_tau": None, "history": []}
+    rng = None
     if resume_from is not None:
-        state = restore(resume_from, drafter, optimizer, scheduler)
+        state, rng = restore(resume_from, drafter, model, optimizer, scheduler, accelerator)
+        state["micro_step"], warning = runtime.resume_position(state, cfg.train.batch_size, world)
         if is_main:
-            print(f"resumed from {resume_from} at step {state['step']}", flush=True)
+            print(f"resumed from {resume_from} at step {state['step']}" + (f" ({warning})" if warning else ""),
+                  flush=True)
+            runtime.trim_metrics(out_dir, state["step"])
     elif is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(to_yaml(cfg) + f"world_size: {accelerator.num_processes}\n")
+        # world size as a comment: config.yaml stays a valid recipe (recipe=out_dir/config.yaml re-runs it)
+        (out_dir / "config.yaml").write_text(to_yaml(cfg) + f"# world_size: {world}\n")
+    if is_main:
+        runtime.write_run_info(out_dir, runtime.run_info(accelerator, resume_from))
     batches.micro_step = state["micro_step"]
-    if tracking_list(cfg):
-        accelerator.init_trackers(out_dir.name, config=flat_config(cfg))
+    runtime.init_tracking(accelerator, cfg, out_dir, {**flat_config(cfg), **runtime.git_revision(),
+                                                       "world_size": world})
     evaluator = InLoopEvaluator(cfg, target, tokenizer) if cfg.eval.every > 0 and is_main else None
 
-    if evaluator and cfg.eval.at_start and state["step"] == 0:
-        checkpoint_step(cfg, out_dir, 0, drafter, optimizer, scheduler, state, evaluator, accelerator)
+    if cfg.eval.every > 0 and cfg.eval.at_start and state["step"] == 0:  # every rank: saving is collective
+        checkpoint_step(cfg, out_dir, 0, drafter, model, optimizer, scheduler, state, evaluator, accelerator)
 
     # --- the loop ------------------------------------------------------------------------------------------
     feature_layers = tuple(getattr(drafter, "feature_layers", ()))
@@ -98,14 +112,21 @@ def main(cfg) -> dict:
 
         store = ensure_store(cfg.data.store, target, tokenizer, dataset, feature_layers=feature_layers,
                              topk_logits=getattr(drafter, "teacher_topk", 0), accelerator=accelerator)
+    if rng is not None:  # last, so that nothing above draws from the restored streams
+        warning = runtime.restore_rng(rng, accelerator.process_index, cfg.seed, state["step"])
+        if warning:
+            tqdm.write(warning)
     progress = tqdm(total=cfg.train.max_steps, initial=state["step"], disable=not is_main, desc="train",
                     dynamic_ncols=True)
-    window = {"tokens": 0, "start": time.perf_counter()}
+    speed = runtime.Throughput()
     while state["step"] < cfg.train.max_steps:
+        t0 = time.perf_counter()
         model.train()
-        metrics_sum: dict[str, float] = {}
-        for micro in range(cfg.train.grad_accum):
-            rows, batch = batches.next()
+        micro_batches = [batches.next() for _ in range(cfg.train.grad_accum)]
+        # the step's valid tokens on all processes, known before the first backward (see runtime.loss_weight)
+        counts = runtime.step_token_counts([b for _, b in micro_batches], accelerator)
+        sums, local_tokens = {}, 0.0
+        for micro, (rows, batch) in enumerate(micro_batches):
             batch = {k: v.to(accelerator.device) for k, v in batch.items()}
             if store is not None:  # offline: features / teacher logits come from disk
                 extra = store.batch(rows, batch["input_ids"].shape[1])
@@ -115,13 +136,15 @@ def main(cfg) -> dict:
             else:
                 features = features_for(target, batch, rows, feature_layers, cache) if feature_layers else None
             last = micro == cfg.train.grad_accum - 1
+            accelerator.sync_gradients = last  # DeepSpeed reduces and steps at the last micro-batch only
             with accelerator.no_sync(model) if not last else nullcontext():
                 with accelerator.autocast():
                     loss, metrics = model(batch, features)
-                accelerator.backward(loss / cfg.train.grad_accum)
+                accelerator.backward(loss * runtime.loss_weight(batch, counts["loss"], world))
+            tokens = float(batch["loss_mask"].sum())
+            local_tokens += tokens
             for k, v in {"loss": loss.item(), **metrics}.items():
-                metrics_sum[k] = metrics_sum.get(k, 0.0) + float(v) / cfg.train.grad_accum
-            window["tokens"] += int(batch["attention_mask"].sum()) * accelerator.num_processes
+                sums[k] = sums.get(k, 0.0) + float(v) * tokens
         if cfg.train.grad_clip > 0:
             accelerator.clip_grad_norm_(params, cfg.train.grad_clip)
         optimizer.step()
@@ -130,29 +153,25 @@ def main(cfg) -> dict:
         state["step"] += 1
         state["micro_step"] = batches.micro_step
         step = state["step"]
+        speed.add(counts, time.perf_counter() - t0)
 
         progress.update(1)
-        postfix = {"loss": f"{metrics_sum['loss']:.3f}"}
-        if state["history"]:
-            postfix["tau"] = f"{state['history'][-1]['tau']:.2f}"
-        progress.set_postfix(postfix)
-        if is_main and (step % cfg.train.log_every == 0 or step == cfg.train.max_steps):
-            elapsed = time.perf_counter() - window["start"]
-            row = {"step": step, "lr": scheduler.get_last_lr()[0], **metrics_sum,
-                   "train_tokens_per_second": window["tokens"] / max(elapsed, 1e-9),
-                   "world_size": accelerator.num_processes}
-            log_metrics(out_dir, row, accelerator)
-            window = {"tokens": 0, "start": time.perf_counter()}
+        if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+            means = runtime.reduce_metrics(sums, local_tokens, accelerator)  # collective: every rank logs
+            if is_main:
+                row = {"step": step, "lr": scheduler.get_last_lr()[0], **means, **speed.row(),
+                       **runtime.peak_memory_mb(accelerator.device), "world_size": world}
+                runtime.log_metrics(out_dir, row, accelerator)
+                progress.set_postfix(loss=f"{means['loss']:.3f}", **({"tau": f"{state['history'][-1]['tau']:.2f}"}
+                                                                     if state["history"] else {}))
+            speed.reset()
 
         final = step == cfg.train.max_steps
         eval_due = cfg.eval.every > 0 and (step % cfg.eval.every == 0 or final)
         save_due = final or eval_due or (cfg.train.save_every > 0 and step % cfg.train.save_every == 0)
         if save_due:
-            accelerator.wait_for_everyone()
-            if is_main:
-                checkpoint_step(cfg, out_dir, step, drafter, optimizer, scheduler, state,
-                                evaluator if eval_due else None, accelerator)
-            accelerator.wait_for_everyone()
+            checkpoint_step(cfg, out_dir, step, drafter, model, optimizer, scheduler, state,
+                            evaluator if eval_due else None, accelerator)
     progress.close()
     accelerator.end_training()
 
@@ -167,8 +186,14 @@ def main(cfg) -> dict:
 # pieces used by main(), in the order main() uses them
 
 
-def find_resume_folder(cfg, out_dir: Path) -> Path | None:
-    """The step folder to resume from, or None for a fresh run; refuses to overwrite an existing run."""
+def find_resume_folder(cfg, out_dir: Path, accelerator) -> Path | None:
+    """The step folder to resume from, or None for a fresh run; refuses to overwrite an existing run.
+    With resume=auto, an interrupted save is cleaned up first (main process) and the newest complete step
+    folder that has trainer state is chosen."""
+    if cfg.train.resume == "auto" and accelerator.is_main_process:
+        for line in ckpt.recover_interrupted_saves(out_dir):
+            print(f"resume: {line}", flush=True)
+    accelerator.wait_for_everyone()
     existing = ckpt.step_folders(out_dir)
     if cfg.train.resume == "":
         if existing:
@@ -182,23 +207,6 @@ def find_resume_folder(cfg, out_dir: Path) -> Path | None:
     if not (path / ckpt.STATE_NAME).is_file():
         raise ConfigError(f"train.resume={path}: no {ckpt.STATE_NAME} there; pass a step_N folder of a run or 'auto'")
     return path
-
-
-def make_accelerator(cfg, out_dir: Path) -> Accelerator:
-    mixed = cfg.train.mixed_precision
-    if mixed == "auto":
-        mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    trackers = [t for t in tracking_list(cfg) if t != "jsonl"]
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed,
-                              log_with=trackers or None, project_dir=str(out_dir))
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None:  # our batches bypass accelerate's DataLoader, so fill DeepSpeed's "auto" fields here
-        ds = plugin.deepspeed_config
-        ds["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
-        ds["gradient_accumulation_steps"] = 1  # draftlab accumulates micro-batches itself (no_sync + one step)
-        ds["train_batch_size"] = cfg.train.batch_size * accelerator.num_processes
-        ds["gradient_clipping"] = cfg.train.grad_clip
-    return accelerator
 
 
 def pad_id(tokenizer) -> int:
@@ -218,32 +226,6 @@ def prepare_train_data(cfg, target, tokenizer, accelerator) -> None:
         answer_prompts(target, tokenizer, prompts, cfg.data.train,
                        max_new_tokens=cfg.data.regenerate_max_new_tokens, batch_size=cfg.data.regenerate_batch_size)
     accelerator.wait_for_everyone()
-
-
-class Batches:
-    """Deterministic, resumable batches: epoch e is a permutation seeded by (seed, e); each process takes its
-    slice of every global batch. `micro_step` is the exact data position, saved with checkpoints."""
-
-    def __init__(self, dataset, batch_size: int, world: int, rank: int, seed: int, pad_token_id: int):
-        self.dataset, self.batch_size, self.world, self.rank = dataset, batch_size, world, rank
-        self.seed, self.pad_token_id, self.micro_step = seed, pad_token_id, 0
-        self.per_epoch = max(1, len(dataset) // (batch_size * world))
-
-    def indices(self, micro_step: int) -> list[int]:
-        epoch, pos = divmod(micro_step, self.per_epoch)
-        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed * 1000 + epoch))
-        glob = self.batch_size * self.world
-        chunk = order[pos * glob:(pos + 1) * glob].tolist()
-        chunk = (chunk * self.world)[:glob] if len(chunk) < glob else chunk  # tiny datasets: wrap around
-        return chunk[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
-
-    def next(self) -> tuple[list[int], dict]:
-        """(dataset indices, collated batch) for the current position; advances the position."""
-        from draftlab.data import collate
-
-        idx = self.indices(self.micro_step)
-        self.micro_step += 1
-        return idx, collate([self.dataset[i] for i in idx], self.pad_token_id)
 
 
 @torch.no_grad()
@@ -291,21 +273,21 @@ class DrafterLoss(torch.nn.Module):
         return self.drafter.loss(batch, features)
 
 
-def restore(folder: Path, drafter, optimizer, scheduler) -> dict:
-    """Weights, optimiser, schedule, RNG streams and data position from a step folder."""
+def restore(folder: Path, drafter, model, optimizer, scheduler, accelerator) -> tuple[dict, object]:
+    """Weights, optimiser, schedule and trainer state (step, data position, history) from a step folder.
+    Returns (state, RNG streams of every rank): main() restores the streams last, just before the loop."""
     from safetensors.torch import load_file
 
-    drafter.load_state_dict(load_file(str(folder / ckpt.WEIGHTS_NAME)), strict=False)
     state = ckpt.load_trainer_state(folder)
-    optimizer.load_state_dict(state.pop("optimizer"))
+    if runtime.is_deepspeed(accelerator):  # DeepSpeed restores its own (sharded) weights and optimizer state
+        model.load_checkpoint(str(folder / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, load_module_strict=False,
+                              load_lr_scheduler_states=False)
+        state.pop("optimizer", None)
+    else:
+        drafter.load_state_dict(load_file(str(folder / ckpt.WEIGHTS_NAME)), strict=False)
+        optimizer.load_state_dict(state.pop("optimizer"))
     scheduler.load_state_dict(state.pop("scheduler"))
-    rng = state.pop("rng")
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
-    if torch.cuda.is_available() and rng.get("cuda") is not None:
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return state
+    return state, state.pop("rng")
 
 
 class InLoopEvaluator:
@@ -351,39 +333,65 @@ def eos_ids(tokenizer, target) -> list[int]:
     return sorted(i for i in flat if i is not None)
 
 
-def checkpoint_step(cfg, out_dir: Path, step: int, drafter, optimizer, scheduler, state: dict, evaluator,
-                    accelerator) -> None:
-    """Evaluate (when given an evaluator), then write step_N atomically, update `best`, prune, plot."""
-    extra = {}
-    if evaluator is not None:
-        t0 = time.perf_counter()
-        report = evaluator(drafter)
-        report["step"] = step
-        report["eval_seconds"] = time.perf_counter() - t0
-        extra["eval.json"] = json.dumps(report, indent=2)
-        tau = report["acceptance_length"]
-        state["history"].append({"step": step, "tau": tau, "speedup": report.get("speedup"),
-                                 "per_position_acceptance": report["per_position_acceptance"]})
-        if state["best_tau"] is None or tau >= state["best_tau"]:
-            state["best_tau"], state["best_step"] = tau, step
-        log_metrics(out_dir, {"step": step, "eval/acceptance_length": tau, "eval/speedup": report.get("speedup"),
-                              "eval/lossless": report.get("lossless"), "eval/seconds": report["eval_seconds"]},
-                    accelerator)
-        tqdm.write(f"step {step}: tau {tau:.3f} (k={cfg.eval.draft_length}, {cfg.eval.tree}), "
-                   f"speedup {report.get('speedup', float('nan')):.2f}x, lossless {report.get('lossless')}")
-    trainer_state = {**state, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                     "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                             "python": random.getstate(),
-                             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                     "world_size": accelerator.num_processes}
-    ckpt.save_drafter(drafter, out_dir / f"step_{step}", extra_files=extra, trainer_state=trainer_state)
-    if state["best_step"] is not None:
-        (out_dir / "best").write_text(f"step_{state['best_step']}\n")
-    prune(out_dir, cfg.train.keep_last, state["best_step"])
-    if state["history"]:
-        from draftlab.plots import plot_tau_curve
+DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "zero"  # DeepSpeed's own checkpoint inside a step folder
 
-        plot_tau_curve(state["history"], out_dir / "tau.png", draft_length=cfg.eval.draft_length)
+
+def checkpoint_step(cfg, out_dir: Path, step: int, drafter, model, optimizer, scheduler, state: dict, evaluator,
+                    accelerator) -> None:
+    """Evaluate (main process, when given an evaluator), then write step_N atomically, update `best`, prune, plot.
+    Every process calls it: the RNG streams of all ranks (and DeepSpeed's shards) go into the folder."""
+    folder = out_dir / f"step_{step}"
+    extra = {"eval.json": evaluate_step(cfg, out_dir, step, drafter, state, evaluator, accelerator)} if evaluator else {}
+    rngs = runtime.gather_rng_states(accelerator)  # after the evaluation, which may draw from the main stream
+    weights = runtime.gather_weights(accelerator, model, drafter)  # None: take them from the drafter itself
+    if accelerator.is_main_process:
+        ckpt.begin_save(folder)
+    if runtime.is_deepspeed(accelerator):  # each rank writes its optimizer shard into the staging folder
+        accelerator.wait_for_everyone()
+        model.save_checkpoint(str(ckpt.staging_folder(folder) / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
+                              exclude_frozen_parameters=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        trainer_state = {**state, "scheduler": scheduler.state_dict(), "rng": rngs,
+                         "world_size": accelerator.num_processes, "batch_size": cfg.train.batch_size}
+        if not runtime.is_deepspeed(accelerator):
+            trainer_state["optimizer"] = optimizer.state_dict()
+        ckpt.save_drafter(drafter, folder, extra_files=extra, trainer_state=trainer_state, state_dict=weights,
+                          staged=True)
+        if state["best_step"] is not None:
+            ckpt.write_text_atomic(out_dir / "best", f"step_{state['best_step']}\n")
+        prune(out_dir, cfg.train.keep_last, state["best_step"])
+        if state["history"]:
+            from draftlab.plots import plot_tau_curve
+
+            plot_tau_curve(state["history"], out_dir / "tau.png", draft_length=cfg.eval.draft_length)
+    accelerator.wait_for_everyone()
+
+
+def evaluate_step(cfg, out_dir: Path, step: int, drafter, state: dict, evaluator, accelerator) -> str:
+    """Score the drafter by speculative decoding, update history/best, log tau and per-position acceptance;
+    returns the report as JSON text (the step folder's eval.json)."""
+    t0 = time.perf_counter()
+    report = evaluator(drafter)
+    report["step"] = step
+    report["eval_seconds"] = time.perf_counter() - t0
+    tau = report["acceptance_length"]
+    state["history"].append({"step": step, "tau": tau, "speedup": report.get("speedup"),
+                             "per_position_acceptance": report["per_position_acceptance"]})
+    if state["best_tau"] is None or tau >= state["best_tau"]:
+        state["best_tau"], state["best_step"] = tau, step
+    runtime.log_metrics(out_dir, {"step": step, "eval/acceptance_length": tau, "eval/speedup": report.get("speedup"),
+                                  "eval/per_position_acceptance": report["per_position_acceptance"],
+                                  "eval/acceptance_length_per_sample_mean": _mean(report.get("acceptance_length_per_sample")),
+                                  "eval/lossless": report.get("lossless"), "eval/seconds": report["eval_seconds"]},
+                        accelerator)
+    tqdm.write(f"step {step}: tau {tau:.3f} (k={cfg.eval.draft_length}, {cfg.eval.tree}), "
+               f"speedup {report.get('speedup') or float('nan'):.2f}x, lossless {report.get('lossless')}")
+    return json.dumps(report, indent=2)
+
+
+def _mean(values) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def prune(out_dir: Path, keep_last: int, best_step) -> None:
@@ -393,14 +401,6 @@ def prune(out_dir: Path, keep_last: int, best_step) -> None:
     for folder in steps[:-keep_last]:
         if best_step is None or folder.name != f"step_{best_step}":
             shutil.rmtree(folder, ignore_errors=True)
-
-
-def log_metrics(out_dir: Path, row: dict, accelerator) -> None:
-    with open(out_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
-    numeric = {k: v for k, v in row.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
-    if accelerator.trackers:
-        accelerator.log(numeric, step=row["step"])
 
 
 def flat_config(cfg) -> dict:

@@ -1,0 +1,389 @@
+"""What the training loop needs from its surroundings: the accelerator, resumable batches, token counts for
+global loss normalisation, RNG streams per rank, gradient checkpointing, memory, run info and trackers.
+
+`train.py` reads top to bottom; the pieces here are the ones that are about *running* (processes, devices,
+files, trackers) rather than about *training a drafter*.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, ProjectConfiguration, gather_object
+
+from draftlab.config import ConfigError, tracking_list
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the accelerator
+
+
+def make_accelerator(cfg, out_dir: Path) -> Accelerator:
+    """Accelerator for this run: CPU (gloo when several processes) without a GPU, bf16 on GPUs that support it,
+    the requested trackers, tensorboard logs in out_dir/tensorboard."""
+    mixed = cfg.train.mixed_precision
+    if mixed == "auto":
+        mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    trackers = [t for t in tracking_list(cfg) if t != "jsonl"]
+    project = ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir / "tensorboard"))
+    # step_scheduler_with_optimizer=False: accelerate would otherwise step the schedule once per *process* at
+    # every optimizer step (it assumes the data loader's batch grew with the world size), so a 2-process run
+    # would decay its learning rate twice as fast as the same run on one process.
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed, log_with=trackers or None,
+                              project_config=project, step_scheduler_with_optimizer=False)
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None:  # our batches bypass accelerate's DataLoader, so fill DeepSpeed's "auto" fields here
+        ds = plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
+        # draftlab accumulates micro-batches itself: `accelerator.sync_gradients` marks the last one, which is
+        # where DeepSpeed reduces and steps (its own loss division by the accumulation count stays at 1)
+        ds["gradient_accumulation_steps"] = 1
+        ds["train_batch_size"] = cfg.train.batch_size * accelerator.num_processes
+        ds["gradient_clipping"] = cfg.train.grad_clip
+        if plugin.zero_stage == 3 and cfg.eval.every > 0:
+            raise ConfigError("DeepSpeed ZeRO-3 shards the drafter across processes, so the main process alone "
+                              "cannot speculate with it: set eval.every=0 and score checkpoints with "
+                              "`draftlab eval`, or use ZeRO-2 (--deepspeed zero2)")
+    return accelerator
+
+
+def is_deepspeed(accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def zero_stage(accelerator) -> int:
+    """The DeepSpeed ZeRO stage of this run (0 when DeepSpeed is not used)."""
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return 0
+    return int(accelerator.state.deepspeed_plugin.zero_stage)
+
+
+def gather_weights(accelerator, model, drafter) -> dict[str, torch.Tensor] | None:
+    """The drafter's trainable weights when they are sharded (DeepSpeed ZeRO-3: a collective, every process
+    calls it; the main process gets full tensors); None otherwise (read them from the drafter itself)."""
+    if zero_stage(accelerator) != 3:
+        return None
+    from draftlab.checkpoint import trainable_state_dict
+
+    wanted = set(trainable_state_dict(drafter))
+    full = accelerator.get_state_dict(model)  # keys of the DrafterLoss wrapper: "drafter.<name>"
+    return {k.removeprefix("drafter."): v.contiguous().cpu() for k, v in full.items()
+            if k.removeprefix("drafter.") in wanted}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data
+
+
+class Batches:
+    """Deterministic, resumable batches. Epoch e is fixed by (seed, e): a permutation cut into global batches of
+    batch_size x world rows, or (`bucketed`) rows of similar length grouped by `data.LengthBucketSampler`;
+    each process takes its share of every global batch. `micro_step` (micro-batches taken by each process) is
+    the exact data position, saved with checkpoints.
+
+    Bucketing sorts each global batch by length and deals its rows round-robin to the processes, so every
+    process gets rows of about the same length (no rank waits for a long one)."""
+
+    def __init__(self, dataset, batch_size: int, world: int, rank: int, seed: int, pad_token_id: int,
+                 bucketed: bool = False, bucket_batches: int = 64):
+        self.dataset, self.batch_size, self.world, self.rank = dataset, batch_size, world, rank
+        self.seed, self.pad_token_id, self.micro_step = seed, pad_token_id, 0
+        self.glob = batch_size * world
+        # a data set smaller than one global batch cannot be bucketed without dropping everything
+        self.bucketed = bucketed and len(dataset) >= self.glob
+        self.bucket_batches = bucket_batches
+        self._cached: tuple[int, list[list[int]]] | None = None
+        self.per_epoch = len(self.epoch_batches(0))
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """The global batches (dataset indices) of one epoch, each of exactly batch_size x world rows."""
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
+        n, glob = len(self.dataset), self.glob
+        if self.bucketed:
+            from draftlab.data import LengthBucketSampler
+
+            sampler = LengthBucketSampler(self.dataset.lengths, glob, bucket_batches=self.bucket_batches,
+                                          shuffle=True, seed=self.seed, drop_last=True)
+            sampler.set_epoch(epoch)
+            batches = [sorted(b, key=lambda i: self.dataset.lengths[i]) for b in sampler]
+        else:
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1000 + epoch)).tolist()
+            batches = [order[i * glob:(i + 1) * glob] for i in range(max(1, n // glob))]
+            if len(batches[0]) < glob:  # tiny data sets: repeat rows so that every process gets a full batch
+                batches = [(batches[0] * -(-glob // len(batches[0])))[:glob]]
+        self._cached = (epoch, batches)
+        return batches
+
+    def indices(self, micro_step: int) -> list[int]:
+        """This process's dataset indices at a data position."""
+        epoch, pos = divmod(micro_step, self.per_epoch)
+        chunk = self.epoch_batches(epoch)[pos]
+        if self.bucketed:
+            return chunk[self.rank::self.world]
+        return chunk[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+
+    def next(self) -> tuple[list[int], dict]:
+        """(dataset indices, collated batch) for the current position; advances the position."""
+        from draftlab.data import collate
+
+        idx = self.indices(self.micro_step)
+        self.micro_step += 1
+        return idx, collate([self.dataset[i] for i in idx], self.pad_token_id)
+
+
+def resume_position(saved: dict, batch_size: int, world: int) -> tuple[int, str | None]:
+    """The micro_step to continue from, and a warning when the global batch changed since the save (then the
+    position is carried over as the number of rows already seen, which is as close as a new layout allows)."""
+    micro = int(saved.get("micro_step", 0))
+    old_bs, old_world = saved.get("batch_size", batch_size), saved.get("world_size", world)
+    if (old_bs, old_world) == (batch_size, world):
+        return micro, None
+    rows = micro * old_bs * old_world
+    new = rows // (batch_size * world)
+    return new, (f"the run was saved with batch_size {old_bs} x {old_world} processes and resumes with "
+                 f"{batch_size} x {world}: data position carried over as {rows} rows seen (micro-step {new}); "
+                 "the continuation is not bit-identical to an uninterrupted run")
+
+
+def step_token_counts(batches: list[dict], accelerator) -> dict[str, float]:
+    """Token counts of one optimizer step, summed over its micro-batches and over all processes.
+
+    `loss` counts tokens with loss_mask = 1, the tokens every drafter loss is normalised by (its per-token mean
+    is taken over these, up to the shift each drafter applies); `real` counts non-padding tokens; `slots` counts
+    every position of the padded batches (real + padding). One all-reduce per step."""
+    local = torch.tensor([[float(b["loss_mask"].sum()), float(b["attention_mask"].sum()), float(b["input_ids"].numel())]
+                          for b in batches]).sum(0).to(accelerator.device)
+    total = accelerator.reduce(local, reduction="sum") if accelerator.num_processes > 1 else local
+    loss, real, slots = total.tolist()
+    return {"loss": loss, "real": real, "slots": slots}
+
+
+def loss_weight(batch: dict, global_loss_tokens: float, world: int) -> float:
+    """Factor for one micro-batch's per-token-mean loss so that the optimizer step follows the mean over every
+    valid token of the step, on all processes and micro-batches (not a mean of per-micro-batch means):
+    local_tokens x world / global_tokens. The `world` undoes DDP's averaging of gradients over processes."""
+    return float(batch["loss_mask"].sum()) * world / max(global_loss_tokens, 1.0)
+
+
+def reduce_metrics(sums: dict[str, float], weight: float, accelerator) -> dict[str, float]:
+    """Token-weighted means over all processes: `sums` holds value x tokens per key, `weight` the tokens."""
+    keys = sorted(sums)
+    local = torch.tensor([sums[k] for k in keys] + [weight], dtype=torch.float64)
+    if accelerator.num_processes > 1:
+        local = accelerator.reduce(local.to(accelerator.device), reduction="sum").cpu()
+    total = max(float(local[-1]), 1e-12)
+    return {k: float(v) / total for k, v in zip(keys, local[:-1].tolist())}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# model-side options
+
+
+def enable_gradient_checkpointing(drafter: torch.nn.Module) -> int:
+    """Recompute the activations of the drafter's transformer layers in the backward pass instead of keeping
+    them: less memory for more compute. Acts on every `transformers` decoder layer inside the drafter (EAGLE
+    decoder layers, a small LM's layers, adapted target layers); returns how many layers were switched."""
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    count = 0
+    for module in drafter.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module.gradient_checkpointing = True
+            # non-reentrant: works when only some inputs require grad (frozen features) and under DDP
+            module._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+            count += 1
+    return count
+
+
+# ----------------------------------------------------------------------------------------------------------
+# RNG streams
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def gather_rng_states(accelerator) -> list[dict]:
+    """Every process's RNG state, in rank order (a collective: all processes call it)."""
+    return gather_object([rng_state()])
+
+
+def restore_rng(saved, rank: int, seed: int, step: int) -> str | None:
+    """Restore this process's RNG streams from a checkpoint's list (one entry per rank; an older checkpoint
+    holds one dict). A rank the checkpoint has no stream for gets a fresh one from (seed, rank, step), and
+    the returned warning says so."""
+    states = saved if isinstance(saved, list) else [saved]
+    if rank >= len(states):
+        torch.manual_seed(seed + 7919 * (rank + 1) + step)
+        np.random.seed((seed + 7919 * (rank + 1) + step) % 2**32)
+        random.seed(seed + 7919 * (rank + 1) + step)
+        return f"rank {rank}: the checkpoint holds RNG streams for {len(states)} processes; seeded a fresh one"
+    rng = states[rank]
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if torch.cuda.is_available() and rng.get("cuda") is not None:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# measurements
+
+
+def peak_memory_mb(device) -> dict[str, float]:
+    """Peak memory of this process so far: resident set size (CPU), and allocated GPU memory on CUDA."""
+    out = {}
+    try:
+        import resource
+
+        # ru_maxrss is in KiB on Linux, bytes on macOS
+        scale = 1 / 1024 if sys.platform != "darwin" else 1 / 2**20
+        out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    except ImportError:  # Windows
+        try:
+            import psutil
+
+            out["peak_rss_mb"] = psutil.Process().memory_info().peak_wset / 2**20
+        except Exception:
+            pass
+    if torch.device(device).type == "cuda":
+        out["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
+
+
+class Throughput:
+    """Training tokens/s over a logging window: real tokens (padding excluded) of all processes divided by
+    the time spent in training steps (evaluation and checkpoint writing are not counted)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.real = self.slots = self.seconds = 0.0
+
+    def add(self, counts: dict[str, float], seconds: float) -> None:
+        self.real += counts["real"]
+        self.slots += counts["slots"]
+        self.seconds += seconds
+
+    def row(self) -> dict[str, float]:
+        return {"train_tokens_per_second": self.real / max(self.seconds, 1e-9),
+                "padding_share": 1.0 - self.real / max(self.slots, 1.0)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# run folder: run_info.json, metrics.jsonl, trackers
+
+
+def git_revision(path: Path | None = None) -> dict:
+    """{"git_revision": sha or None, "git_dirty": bool or None} for the code being run."""
+    where = str(path or Path(__file__).resolve().parent)
+    try:
+        sha = subprocess.run(["git", "-C", where, "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10).stdout.strip() or None
+        dirty = None
+        if sha:
+            status = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, timeout=10).stdout
+            dirty = bool(status.strip())
+    except (OSError, subprocess.SubprocessError):
+        sha, dirty = None, None
+    return {"git_revision": sha, "git_dirty": dirty}
+
+
+def run_info(accelerator, resumed_from: Path | None = None) -> dict:
+    """What produced this run: code revision, world, precision, library versions, host, command line."""
+    import accelerate
+    import transformers
+
+    return {**git_revision(), "world_size": accelerator.num_processes,
+            "distributed_type": str(accelerator.distributed_type.value), "mixed_precision": accelerator.mixed_precision,
+            "zero_stage": zero_stage(accelerator), "device": str(accelerator.device),
+            "torch": torch.__version__, "transformers": transformers.__version__, "accelerate": accelerate.__version__,
+            "python": platform.python_version(), "host": platform.node(), "argv": sys.argv,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "resumed_from": str(resumed_from) if resumed_from else None}
+
+
+def write_run_info(out_dir: Path, info: dict) -> None:
+    """run_info.json holds one entry per launch of the run (the first, then each resume)."""
+    path = out_dir / "run_info.json"
+    launches = json.loads(path.read_text()).get("launches", []) if path.is_file() else []
+    text = json.dumps({**info, "launches": launches + [info]}, indent=2, default=str)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def trim_metrics(out_dir: Path, step: int) -> int:
+    """On resume: drop metrics.jsonl rows logged after `step` (the stretch being re-run) and a torn last line;
+    returns how many rows were dropped. The file then reads as one uninterrupted run."""
+    path = out_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), (int, float)) and row["step"] > step:
+            dropped += 1
+            continue
+        kept.append(line)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
+
+
+def init_tracking(accelerator, cfg, out_dir: Path, config: dict) -> None:
+    """Start wandb / tensorboard (main process only, inside accelerate) with the run config and git revision.
+    wandb writes under out_dir/wandb and runs offline with WANDB_MODE=offline (no network needed); the project
+    is $WANDB_PROJECT or "draftlab", the run name the out_dir's name."""
+    trackers = [t for t in tracking_list(cfg) if t != "jsonl"]
+    if not trackers:
+        return
+    kwargs = {}
+    if "wandb" in trackers:
+        kwargs["wandb"] = {"dir": str(out_dir), "name": out_dir.name}
+    if "tensorboard" in trackers:
+        # tensorboard's hparams accept only scalars and strings
+        config = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in config.items()}
+    accelerator.init_trackers(os.environ.get("WANDB_PROJECT", "draftlab"), config=config, init_kwargs=kwargs)
+
+
+def log_metrics(out_dir: Path, row: dict, accelerator) -> None:
+    """Append a row to metrics.jsonl (always) and send its numbers to the trackers; lists (per-position
+    acceptance) become one scalar per position, e.g. eval/per_position_acceptance/1."""
+    with open(out_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    if not accelerator.trackers:
+        return
+    numeric = {}
+    for key, value in row.items():
+        if key == "step":
+            continue
+        if isinstance(value, (list, tuple)):
+            numeric.update({f"{key}/{i + 1}": v for i, v in enumerate(value) if isinstance(v, (int, float))})
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            numeric[key] = value
+        elif isinstance(value, bool):
+            numeric[key] = float(value)
+    accelerator.log(numeric, step=row["step"])
