@@ -1,0 +1,242 @@
+"""Acceptance-prediction head on a frozen drafter, and the adaptive draft length it drives.
+
+Paper: Huang, Guo, Wang, "SpecDec++: Boosting Speculative Decoding via Adaptive Candidate Lengths" (COLM 2025);
+method_specs.md section 5.
+
+What it optimises: a small residual network reads the frozen base drafter's last hidden state (after the final
+norm) at a draft token's position, i.e. after the drafter has consumed that token, and predicts the probability
+that the target accepts the token. Training data follow SpecDec++: along target-written conversations the base
+drafter, teacher-forced on the target's text X, samples Y_t ~ q(.|X_<t) at every assistant position; the soft
+label is p_acc,t = min(1, p(Y_t)/q(Y_t)) (the chance that rejection sampling accepts Y_t). The head's input
+sequence Z mixes both: Z_t = X_t with probability `mix_ratio`, else Y_t; positions holding Y_t carry the label,
+positions holding X_t are ignored. Loss: class-weighted soft-label BCE (`losses.acceptance_bce`, reject-class
+weight `reject_weight`). `acceptance_label=greedy` instead drafts Y_t = argmax q and labels 1[argmax p == Y_t],
+which is what greedy verification accepts.
+
+Decoding (SpecDec++ stopping rule): after each draft token the head gives p_hat; drafting stops once the chance
+that some token of the chain is rejected, 1 - prod(p_hat), exceeds `adaptive_threshold`, with at least
+`min_draft` and at most `TreeSpec.draft_length` tokens. A threshold of 1 never stops early (fixed-k drafting).
+Only the head is saved; the base drafter is reloaded from the folder named in the config (`base`).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from draftlab.drafters.small_lm import SmallLMProposer
+
+LABELS = ("sampled", "greedy")
+_DEFAULTS = {"base": "", "acceptance_layers": 3, "mix_ratio": 0.15, "reject_weight": 6.0,
+             "adaptive_threshold": 0.3, "min_draft": 1, "acceptance_label": "sampled"}
+
+
+def draft_and_label(q_logits: Tensor, p_logits: Tensor, mode: str = "sampled",
+                    generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Draft one token per position and label its acceptance.
+
+    q_logits, p_logits [N, V]: the drafter's and the target's logits at the same N positions (temperature 1).
+    mode "sampled": Y ~ softmax(q), label min(1, p(Y)/q(Y)); "greedy": Y = argmax q, label 1[argmax p == Y].
+    Returns drafted tokens Y [N] and labels [N] in [0, 1] (float32).
+    """
+    from draftlab.losses import acceptance_labels
+
+    if mode == "greedy":
+        drafted = q_logits.argmax(-1)
+        return drafted, (p_logits.argmax(-1) == drafted).float()
+    q = q_logits.float().softmax(-1)
+    if q.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.long, device=q.device), torch.zeros(0, device=q.device)
+    drafted = torch.multinomial(q, 1, generator=generator)[:, 0]
+    return drafted, acceptance_labels(p_logits.float().softmax(-1), q, drafted)
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(W x + b): [..., d] -> [..., d]."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.linear = nn.Linear(d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class AcceptanceHead(nn.Module):
+    """`acceptance_layers` ResBlocks then Linear(d -> 1): the logit of "accepted" from a base hidden state [.., d].
+
+    The base drafter (a small_lm checkpoint) is frozen and held outside this module's tree, like the target:
+    it is never trained or saved here, and `.to()` / `.train()` on the head leave it alone.
+    """
+
+    kind = "acceptance"
+    feature_layers: tuple[int, ...] = ()
+
+    def __init__(self, target, base, settings: dict):
+        super().__init__()
+        if getattr(base, "kind", None) != "small_lm":
+            raise ValueError(f"drafter.base {settings['base']} is a '{getattr(base, 'kind', '?')}' drafter: the "
+                             "acceptance head needs a small_lm base (its proposer keeps the drafter's hidden states)")
+        if settings["acceptance_label"] not in LABELS:
+            raise ValueError(f"drafter.acceptance_label is '{settings['acceptance_label']}': choose one of "
+                             f"{', '.join(LABELS)}")
+        if not 0.0 <= settings["mix_ratio"] < 1.0:
+            raise ValueError(f"drafter.mix_ratio is {settings['mix_ratio']}: it must be in [0, 1) (the share of "
+                             "target tokens in the head's input; 1 would leave no labelled position)")
+        self.settings = dict(settings)
+        self.__dict__["target"] = target
+        self.__dict__["base"] = base.eval().requires_grad_(False)
+        d = int(base.model.get_output_embeddings().weight.shape[1])
+        self.blocks = nn.Sequential(*[ResBlock(d) for _ in range(settings["acceptance_layers"])])
+        self.out = nn.Linear(d, 1)
+        self.to(next(target.parameters()).device)
+
+    # --- construction -------------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target, cfg=None) -> "AcceptanceHead":
+        """cfg: any object with the fields of _DEFAULTS; `base` (a small_lm run or step folder) is required."""
+        settings = {k: getattr(cfg, k, v) for k, v in _DEFAULTS.items()}
+        if not settings["base"]:
+            raise ValueError("drafter.base is empty: point it at the small_lm run (or step_N folder) whose drafts "
+                             "the acceptance head should judge")
+        from draftlab.checkpoint import resolve_checkpoint
+
+        # the exact step folder, so a reload finds the same base even after the base run's `best` moves on
+        settings["base"] = str(resolve_checkpoint(settings["base"]).resolve())
+        return cls(target, cls._load_base(settings["base"], target), settings)
+
+    @staticmethod
+    def _load_base(path: str, target):
+        from draftlab.checkpoint import CheckpointError, load_drafter
+
+        if not Path(path).exists():
+            raise CheckpointError(f"the base drafter {path} of this acceptance head is missing: the head only "
+                                  "stores its own weights and needs the base checkpoint it was trained on")
+        return load_drafter(path, target)
+
+    def drafter_config(self) -> dict:
+        from draftlab.target import target_fingerprint
+
+        return {"kind": self.kind, **self.settings, "base_kind": self.base.kind,
+                "hidden_size": self.out.in_features, "target": target_fingerprint(self.target, None)}
+
+    @classmethod
+    def from_config(cls, config: dict, target) -> "AcceptanceHead":
+        settings = {k: config.get(k, v) for k, v in _DEFAULTS.items()}
+        return cls(target, cls._load_base(settings["base"], target), settings)
+
+    # --- the network --------------------------------------------------------------------------------------
+    def forward(self, hidden: Tensor) -> Tensor:
+        """hidden [..., d] base-drafter states (after the final norm) -> logits of "accepted" [...]."""
+        return self.out(self.blocks(hidden.to(self.out.weight.dtype))).squeeze(-1)
+
+    def _base_states(self, ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """The frozen base drafter's last hidden states [B, T, d] (after its final norm, the LM-head input)."""
+        out = self.base.model(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True,
+                              logits_to_keep=1)
+        return out.hidden_states[-1]
+
+    # --- the loss -----------------------------------------------------------------------------------------
+    def loss(self, batch: dict, features: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+        """batch: input_ids, attention_mask, loss_mask [B, T] (the target's own answers); features unused.
+
+        Position t's state predicts token t+1, which is drafted (and labelled) where loss_mask[t+1] is 1.
+        """
+        from draftlab.losses import acceptance_bce
+
+        ids, attn = batch["input_ids"], batch["attention_mask"]
+        where = (batch["loss_mask"] * attn)[:, 1:].bool()                 # [B, T-1]: token t+1 is drafted
+        with torch.no_grad():
+            lm_head = self.base.model.get_output_embeddings()
+            q_logits = lm_head(self._base_states(ids, attn)[:, :-1][where])                       # [N, V]
+            target_states = self.target.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
+            p_logits = self.target.get_output_embeddings()(target_states[:, :-1][where])         # [N, V]
+            drafted, labels = draft_and_label(q_logits, p_logits, self.settings["acceptance_label"])
+            # Z: the target's token with probability mix_ratio (unlabelled), else the draft (labelled)
+            keep_target = torch.rand(drafted.shape, device=ids.device) < self.settings["mix_ratio"]
+            mixed = ids.clone()
+            mixed[:, 1:][where] = torch.where(keep_target, ids[:, 1:][where], drafted)
+            states = self._base_states(mixed, attn)[:, 1:][where]                                # [N, d]
+        logits = self(states)                                                                   # [N]
+        labelled = ~keep_target
+        loss = acceptance_bce(logits[None], labels[None], labelled[None], self.settings["reject_weight"])
+        with torch.no_grad():
+            n = int(labelled.sum())
+            pred = torch.sigmoid(logits.float())[labelled]
+            lab = labels[labelled]
+            metrics = {"tokens": float(n),
+                       "label_mean": lab.mean().item() if n else 0.0,
+                       "pred_mean": pred.mean().item() if n else 0.0,
+                       "brier": ((pred - lab) ** 2).mean().item() if n else 0.0}
+        return loss, metrics
+
+    # --- evaluation ---------------------------------------------------------------------------------------
+    def proposer(self, target=None, adaptive_threshold: float | None = None,
+                 min_draft: int | None = None) -> "AdaptiveProposer":
+        """The base drafter's chain proposer with SpecDec++ stopping; None = the value in the drafter config.
+        adaptive_threshold=1 never stops early (fixed-k drafting, with the head's predictions still recorded)."""
+        threshold = self.settings["adaptive_threshold"] if adaptive_threshold is None else adaptive_threshold
+        return AdaptiveProposer(self.base.model, self, float(threshold),
+                                int(self.settings["min_draft"] if min_draft is None else min_draft))
+
+
+class AdaptiveProposer(SmallLMProposer):
+    """SmallLMProposer whose chains stop when 1 - prod(p_hat) > threshold (within [min_draft, draft_length]).
+
+    After a propose(), `predicted_acceptance` lists p_hat per draft node (NaN where it was not computed: the
+    last token of a chain that reached draft_length, whose state the drafter never needed), None for trees;
+    the evaluator pairs these with the verdicts for calibration. `adaptive` describes the rule for the report.
+    """
+
+    def __init__(self, model, head: AcceptanceHead, threshold: float, min_draft: int = 1):
+        self.head, self.threshold, self.min_draft = head, threshold, max(1, min_draft)
+        self.hidden: Tensor | None = None
+        self.predicted_acceptance: list[float] | None = None
+        super().__init__(model)
+
+    @property
+    def adaptive(self) -> dict:
+        return {"threshold": self.threshold, "min_draft": self.min_draft}
+
+    def _logits(self, new: list[int]) -> Tensor:
+        """As SmallLMProposer._logits (feed tokens after the cache, logits [V] after the last), also keeping the
+        drafter's last hidden state [d] there, which the head reads."""
+        device = self.model.device
+        out = self.model(input_ids=torch.tensor([new], device=device), past_key_values=self.cache, use_cache=True,
+                         output_hidden_states=True)
+        self.cached.extend(new)
+        self.hidden = out.hidden_states[-1][0, -1]
+        return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def propose(self, spec, sampling, generator: torch.Generator | None = None):
+        from draftlab.trees import chain
+
+        self.predicted_acceptance = None
+        if spec.kind != "chain":
+            return super().propose(spec, sampling, generator)
+        logits = self._catch_up()
+        tokens, qs, predicted = [], [], []
+        survival = 1.0                                   # predicted chance that every draft so far is accepted
+        for i in range(spec.draft_length):
+            if i > 0:                                    # the drafter consumes token i-1: judge it, maybe stop
+                logits = self._logits([int(tokens[-1])])
+                p_hat = float(torch.sigmoid(self.head(self.hidden).float()))
+                predicted.append(p_hat)
+                survival *= p_hat
+                if i >= self.min_draft and 1.0 - survival > self.threshold:
+                    break
+            if sampling.greedy:
+                tokens.append(logits.argmax())
+            else:
+                qs.append(sampling.probs(logits))
+                tokens.append(torch.multinomial(qs[-1], 1, generator=generator)[0])
+        self.predicted_acceptance = predicted + [math.nan] * (len(tokens) - len(predicted))
+        if not tokens:
+            return chain(torch.zeros(0, dtype=torch.long, device=logits.device))
+        if sampling.greedy:
+            return chain(torch.stack(tokens))
+        return chain(torch.stack(tokens), torch.stack(qs), "with_replacement")
