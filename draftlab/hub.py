@@ -1,0 +1,521 @@
+"""Hub export and upload: the formats serving engines load, a model card with measured tau, and the push.
+
+    draftlab push CHECKPOINT --repo-id ORG/NAME [--private] [--revision R] [--commit-message M]
+                  [--format auto|draftlab|speculators|eagle|medusa|hf] [--to DIR] [--target PATH]
+                  [--base-model HUB_ID] [--eval REPORT.json ...] [--license L]
+
+An export folder holds, at its top, the files a serving engine loads (one exporter per drafter kind, in
+EXPORTERS), the model card README.md and its acceptance plot. The draftlab checkpoint itself (drafter_config.json,
+model.safetensors, eval.json, the run's config.yaml, extra eval reports) sits in `draftlab/`, and a `best` file
+naming that folder makes the whole export a checkpoint again: `draftlab eval --checkpoint EXPORT` works on it,
+and `draftlab push EXPORT --repo-id ...` uploads it as it is (the retry command printed after a failed upload).
+The native files live in a subfolder because several serving layouts also use the name model.safetensors.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftlab import checkpoint as ckpt
+
+NATIVE_DIR = "draftlab"          # the draftlab checkpoint inside an export
+MARKER = "export.json"           # what was exported, for re-rendering the card and for pushing an export as is
+REPORTS_DIR = "eval_reports"     # extra `--eval` reports, inside NATIVE_DIR
+REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+SPECULATORS_VERSION = "0.9.0"    # the speculators release whose config classes the EAGLE-3 export was checked with
+
+
+class HubError(Exception):
+    """Export or upload failed; the message is one line for the user (never containing the token)."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the checkpoint being exported
+
+
+class Source:
+    """A checkpoint folder with its drafter config, weights, run config and (loaded only when needed) target."""
+
+    def __init__(self, folder: Path, target=None, tokenizer=None, target_path: str | None = None,
+                 base_model: str | None = None):
+        self.folder = folder
+        self.config = ckpt.read_drafter_config(folder)
+        self.kind = self.config.get("kind")
+        if target_path is None:
+            from draftlab.cli import checkpoint_target
+
+            try:
+                target_path = checkpoint_target(folder)      # the run's target.path, else the drafter's record
+            except ckpt.CheckpointError:
+                if target is None:
+                    raise
+        self.target_path = target_path or getattr(target.config, "_name_or_path", "") or ""
+        self._target = (target, tokenizer) if target is not None else None
+        name = (self.config.get("target") or {}).get("name_or_path", "")
+        self.base_model = base_model or next((n for n in (self.target_path, name) if looks_like_hub_id(n)), None)
+        self.verifier = self.base_model or self.target_path   # what serving configs name as the target
+
+    @cached_property
+    def weights(self) -> dict[str, torch.Tensor]:
+        return load_file(str(self.folder / ckpt.WEIGHTS_NAME))
+
+    def target(self, fresh: bool = False):
+        """(model, tokenizer), loaded from target_path on first use; fresh=True always loads a new copy."""
+        if self._target is not None and not fresh:
+            return self._target
+        from draftlab.target import load_target
+
+        loaded = load_target(self.target_path, "auto", "auto")
+        if not fresh:
+            self._target = loaded
+        return loaded
+
+    def target_config(self):
+        """The target's text config (from the loaded model, else from its config.json without loading weights)."""
+        if self._target is not None:
+            config = self._target[0].config
+        else:
+            from transformers import AutoConfig
+
+            from draftlab.target import convert_gguf, resolve_target_path
+
+            where = resolve_target_path(self.target_path)
+            config = AutoConfig.from_pretrained(convert_gguf(where) if where.lower().endswith(".gguf") else where)
+        return config.get_text_config()
+
+    def architectures(self) -> list[str]:
+        if self._target is not None:
+            return list(self._target[0].config.architectures or [type(self._target[0]).__name__])
+        return list(self.target_config().architectures or [])
+
+
+def looks_like_hub_id(name: str | None) -> bool:
+    """ORG/NAME that is not a local path (a Hub `base_model` must be a real model id)."""
+    return bool(name) and bool(REPO_ID_RE.match(name)) and not Path(name).expanduser().exists()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# exporters: kind -> (format name, function(src, out, meta) -> details for the card)
+
+
+def export_eagle(src: Source, out: Path, meta: dict) -> dict:
+    """EAGLE-1/2 in the layout of the official EAGLE code: SafeAILab/EAGLE eagle/model/cnets1.py `Model`
+    (loaded by eagle/model/ea_model.py `EaModel.from_pretrained(use_eagle3=False, ...)`, which reads config.json
+    and pytorch_model.bin or model.safetensors). Its names are ours (fc.*, layers.{i}.*, no input_layernorm in
+    layer 0) plus embed_tokens.weight, the target's embedding, which the older strict loaders require. A head
+    trained without an FC bias gets a zero fc.bias (the same function) so loaders that build the bias get one."""
+    text = src.target_config()
+    weights = dict(src.weights)
+    d, layers = text.hidden_size, src.config.get("num_layers", 1)
+    weights.setdefault("fc.bias", torch.zeros(d, dtype=weights["fc.weight"].dtype))
+    model, _ = src.target()
+    weights["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().to("cpu", weights["fc.weight"].dtype)
+    qkv_bias = "layers.0.self_attn.q_proj.bias" in weights
+    expected = {"fc.weight", "fc.bias", "embed_tokens.weight"}
+    for i in range(layers):
+        p = f"layers.{i}."
+        expected |= {p + f"self_attn.{n}_proj.weight" for n in "qkvo"} | {p + f"mlp.{n}_proj.weight" for n in
+                                                                            ("gate", "up", "down")}
+        expected |= {p + "post_attention_layernorm.weight"} | ({p + "input_layernorm.weight"} if i else set())
+        expected |= {p + f"self_attn.{n}_proj.bias" for n in "qkv"} if qkv_bias else set()
+    if set(weights) != expected:
+        odd = sorted(set(weights) ^ expected)[:3]
+        raise HubError(f"this eagle head has weights the official EAGLE code does not know ({odd}): its target "
+                       f"architecture ({text.model_type}) is not a Llama-style one; export with --format draftlab")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"), {"format": "pt"})
+    config = {"architectures": src.architectures() or ["LlamaForCausalLM"], **layer_config(text, layers),
+              "bias": True, "qkv_bias": qkv_bias, "torch_dtype": str(weights["fc.weight"].dtype).removeprefix("torch.")}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {"fc_bias": bool(src.config.get("fc_bias", True)), "num_layers": layers}
+
+
+def legacy_rope(text) -> dict:
+    """rope_theta / rope_scaling as pre-5.0 configs (and the official EAGLE code: {type, factor}) spell them."""
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    kind = rope.pop("rope_type", "default")
+    theta = rope.pop("rope_theta", getattr(text, "rope_theta", 10000.0))
+    return {"rope_theta": theta, "rope_scaling": None if kind == "default" else {"type": kind, **rope}}
+
+
+LAYER_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
+                     "rms_norm_eps", "attention_bias", "attention_dropout", "mlp_bias", "pretraining_tp", "use_cache",
+                     "rope_parameters", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def layer_config(text, num_layers: int) -> dict:
+    """The target's text config for a `num_layers` draft stack: the keys of the speculators template, today's
+    rope_parameters and the legacy rope keys that older transformers and the official EAGLE code read."""
+    full = text.to_dict()
+    config = {key: full[key] for key in LAYER_CONFIG_KEYS if key in full}
+    config.update(num_hidden_layers=num_layers, tie_word_embeddings=False, **legacy_rope(text))
+    if full.get("layer_types"):
+        config["layer_types"] = full["layer_types"][:num_layers]
+    return config
+
+
+def export_eagle3(src: Source, out: Path, meta: dict) -> dict:
+    """EAGLE-3 in the speculators format that vLLM serves. Config: vllm-project/speculators
+    src/speculators/config.py (`SpeculatorModelConfig`, `SpeculatorsConfig`, `VerifierConfig`),
+    src/speculators/models/eagle3/config.py (`Eagle3SpeculatorConfig`), proposals/greedy.py; the full template is
+    NVIDIA/TensorRT-Model-Optimizer examples/speculative_decoding/scripts/convert_to_vllm_ckpt.py. Weights:
+    speculators/models/eagle3/core.py + model_definitions.py: fc, layers.0.* whose input_layernorm normalises the
+    token embedding and hidden_norm the fused state (our emb_norm and layer.input_layernorm), norm, lm_head, and
+    d2t (int64 [Vd], target id = draft id + d2t) / t2d (bool [V]) when the draft vocabulary is reduced."""
+    renamed = {"emb_norm.weight": "layers.0.input_layernorm.weight",
+               "layer.input_layernorm.weight": "layers.0.hidden_norm.weight"}
+    weights = {renamed.get(k, k.replace("layer.", "layers.0.", 1) if k.startswith("layer.") else k): v.contiguous()
+               for k, v in src.weights.items()}
+    text = src.target_config()
+    vocab_size = text.vocab_size
+    draft_vocab = src.config.get("draft_vocab")
+    if draft_vocab:
+        ids = torch.tensor(sorted(draft_vocab), dtype=torch.long)
+        weights["d2t"] = ids - torch.arange(len(ids))
+        weights["t2d"] = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+    save_file(weights, str(out / "model.safetensors"), {"format": "pt"})
+    k = int(meta.get("draft_length") or 5)
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": src.verifier, "architectures": src.architectures()},
+        },
+        "transformer_layer_config": layer_config(text, 1),
+        "draft_vocab_size": len(draft_vocab) if draft_vocab else vocab_size,
+        # our first layer keeps the un-normalised fused state as its residual (vLLM's default is True)
+        "norm_before_residual": False,
+        "target_hidden_size": text.hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(src.config["aux_layers"]),
+        "torch_dtype": str(weights["fc.weight"].dtype).removeprefix("torch."),
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    aux = list(src.config["aux_layers"])
+    return {"aux_layers": aux, "draft_vocab_size": config["draft_vocab_size"], "repeated_aux": len(set(aux)) < len(aux)}
+
+
+def export_medusa(src: Source, out: Path, meta: dict) -> dict:
+    """Medusa heads as FasterDecoding/Medusa writes them (medusa/train/train_legacy.py): config.json with
+    medusa_num_heads, medusa_num_layers, base_model_name_or_path, and the `medusa_head` ModuleList's state dict
+    ({k}.{j}.linear.weight/bias per ResBlock, {k}.{L}.weight for the vocabulary projection) in
+    medusa_lm_head.safetensors (read by TGI and TensorRT-LLM) and medusa_lm_head.pt (read by
+    medusa/model/medusa_model*.py). Medusa-2 also needs its adapted target: the LoRA weights are merged into a
+    fresh copy of the target, saved here as a transformers folder, and base_model_name_or_path names this repo."""
+    heads = {k.removeprefix("heads."): v.contiguous() for k, v in src.weights.items() if k.startswith("heads.")}
+    save_file(heads, str(out / "medusa_lm_head.safetensors"), {"format": "pt"})
+    torch.save(heads, out / "medusa_lm_head.pt")
+    base = src.verifier
+    if src.kind == "medusa2":
+        base = meta.get("repo_id") or "."
+        model, tokenizer = src.target(fresh=True)        # load_drafter installs the adapters in place
+        drafter = ckpt.load_drafter(src.folder, model)
+        drafter.merge_adapters()
+        unwrap_lora(model)
+        model.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out))
+    config = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
+    config.update(medusa_num_heads=src.config["medusa_heads"], medusa_num_layers=src.config["medusa_layers"],
+                  base_model_name_or_path=base, version="2")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "medusa_choices.json").write_text(json.dumps(src.config.get("tree_choices")) + "\n")
+    return {"heads": src.config["medusa_heads"], "layers": src.config["medusa_layers"], "merged_target":
+            src.kind == "medusa2"}
+
+
+def unwrap_lora(model: torch.nn.Module) -> None:
+    """Replace every (already merged) peft LoRA layer by its base layer, leaving a plain transformers model."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, BaseTunerLayer):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
+
+
+def export_small_lm(src: Source, out: Path, meta: dict) -> dict:
+    """A standard transformers folder (config, weights, generation config, tokenizer) that loads with
+    AutoModelForCausalLM and drafts as `assistant_model`; written by the drafter's own export_pretrained."""
+    model, tokenizer = src.target()
+    drafter = ckpt.load_drafter(src.folder, model)
+    drafter.export_pretrained(out, tokenizer)
+    return {}
+
+
+EXPORTERS = {
+    "eagle": ("eagle", export_eagle),
+    "eagle3": ("speculators", export_eagle3),
+    "medusa": ("medusa", export_medusa),
+    "medusa2": ("medusa", export_medusa),
+    "small_lm": ("hf", export_small_lm),
+}
+FORMATS = ("auto", "draftlab", "speculators", "eagle", "medusa", "hf")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# export
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str = "auto", target=None,
+                      tokenizer=None, target_path: str | None = None, base_model: str | None = None,
+                      eval_reports: list | tuple = (), license: str = "apache-2.0",
+                      repo_id: str | None = None) -> Path:
+    """Write the export folder (serving format + card + native checkpoint) for a run or step folder.
+
+    fmt: "auto" (the kind's serving format), "draftlab" (native files and card only), or a format name that must
+    match the kind. target/tokenizer: an already loaded target (else it is loaded from target_path or the run's
+    config when an exporter needs it). The folder is written beside out_dir and renamed into place."""
+    from draftlab.model_card import write_card
+
+    folder = ckpt.resolve_checkpoint(checkpoint)
+    reports = [read_report(p) for p in eval_reports]
+    src = Source(folder, target, tokenizer, target_path, base_model)
+    fmt = pick_format(src.kind, fmt)
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / NATIVE_DIR / REPORTS_DIR).mkdir(parents=True)
+    for name in (ckpt.CONFIG_NAME, ckpt.WEIGHTS_NAME, "eval.json"):
+        if (folder / name).is_file():
+            shutil.copy2(folder / name, tmp / NATIVE_DIR / name)
+    for path in (folder / "config.yaml", folder.parent / "config.yaml"):
+        if path.is_file():
+            shutil.copy2(path, tmp / NATIVE_DIR / "config.yaml")
+            break
+    for i, (path, report) in enumerate(reports):
+        (tmp / NATIVE_DIR / REPORTS_DIR / f"{i:02d}_{Path(path).stem}.json").write_text(json.dumps(report, indent=2))
+    (tmp / "best").write_text(NATIVE_DIR + "\n")
+
+    own = (tmp / NATIVE_DIR / "eval.json")
+    first = json.loads(own.read_text()) if own.is_file() else (reports[0][1] if reports else {})
+    meta = {"draftlab_export": 1, "kind": src.kind, "format": fmt, "repo_id": repo_id, "base_model": src.base_model,
+            "target": src.target_path, "license": license, "step": folder.name,
+            "draft_length": first.get("draft_length"), "details": {}}
+    try:
+        if fmt != "draftlab":
+            meta["details"] = EXPORTERS[src.kind][1](src, tmp, meta) or {}
+    except HubError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+    write_card(tmp)
+    ckpt._replace(tmp, out)
+    return out
+
+
+def pick_format(kind: str, fmt: str) -> str:
+    if fmt not in FORMATS:
+        raise HubError(f"unknown --format {fmt}: choose one of {', '.join(FORMATS)}")
+    if kind not in EXPORTERS:
+        if fmt in ("auto", "draftlab"):
+            return "draftlab"           # kinds without a serving format yet still export their native files
+        raise HubError(f"drafter kind '{kind}' has no {fmt} export: use --format draftlab")
+    own = EXPORTERS[kind][0]
+    if fmt in ("auto", own):
+        return own
+    if fmt == "draftlab":
+        return fmt
+    raise HubError(f"--format {fmt} does not fit a '{kind}' drafter: its serving format is {own} "
+                   "(or use --format draftlab for the native checkpoint only)")
+
+
+def read_report(path) -> tuple[str, dict]:
+    """(path, report) of a `draftlab eval` report JSON, checked to be one."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise HubError(f"--eval {path}: cannot read it as JSON ({type(e).__name__}): pass a report written by "
+                       "`draftlab eval --out`") from None
+    if not isinstance(report, dict) or "acceptance_length" not in report:
+        raise HubError(f"--eval {path} is not a draftlab eval report (no acceptance_length): pass a report written "
+                       "by `draftlab eval --out`")
+    return str(path), report
+
+
+def is_export(path: str | Path) -> bool:
+    return (Path(path) / MARKER).is_file() and (Path(path) / NATIVE_DIR / ckpt.CONFIG_NAME).is_file()
+
+
+def default_export_dir(checkpoint: str | Path, repo_id: str) -> Path:
+    """run_folder/hub_export/ORG--NAME (a step folder's run folder is its parent)."""
+    folder = ckpt.resolve_checkpoint(checkpoint)
+    run = folder.parent if ckpt.STEP_RE.match(folder.name) else folder
+    return run / "hub_export" / repo_id.replace("/", "--")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# upload
+
+
+def check_repo_id(repo_id: str) -> None:
+    """ORG/NAME of a model repository; a dataset or Space id is refused before anything is written."""
+    kind = repo_id.split("/", 1)[0] if repo_id.count("/") == 2 else None
+    if kind in ("datasets", "spaces"):
+        raise HubError(f"--repo-id {repo_id} names a {kind[:-1]} repository: draftlab pushes model repositories, "
+                       f"pass ORG/NAME ({repo_id.split('/', 1)[1]})")
+    if not REPO_ID_RE.match(repo_id or ""):
+        raise HubError(f"--repo-id {repo_id!r} is not a Hub model id: use ORG/NAME (letters, digits, '-', '_', '.')")
+
+
+def retry_command(export: Path, repo_id: str, private: bool, revision: str | None, message: str | None) -> str:
+    cmd = ["draftlab", "push", str(export), "--repo-id", repo_id]
+    cmd += ["--private"] if private else []
+    cmd += ["--revision", revision] if revision else []
+    cmd += ["--commit-message", message] if message else []
+    return " ".join(shlex.quote(c) for c in cmd)
+
+
+def describe_failure(e: BaseException, repo_id: str, endpoint: str) -> str:
+    """One line saying what went wrong with the Hub and how to fix it."""
+    from huggingface_hub import errors
+
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if isinstance(e, errors.OfflineModeIsEnabled):
+        return "HF_HUB_OFFLINE is set: unset it to upload"
+    if isinstance(e, errors.RevisionNotFoundError):
+        return f"revision (branch) not found in {repo_id}: check --revision"
+    if isinstance(e, errors.RepositoryNotFoundError) or status == 404:
+        return (f"repository {repo_id} was not found or this token cannot see it (HTTP 404): check the name and "
+                "that the token belongs to a member of its organisation")
+    if status == 401:
+        return "the Hub rejected the token (HTTP 401): it is invalid or expired; create a new write token"
+    if status == 403:
+        return (f"this token may not write to {repo_id} (HTTP 403): use a token with write access to "
+                f"{repo_id.split('/')[0]}")
+    if status == 409:
+        return f"the Hub refused to create {repo_id} (HTTP 409 conflict): {server_message(e)}"
+    if isinstance(e, errors.HfHubHTTPError) and status is not None:
+        return f"the Hub answered HTTP {status} for {repo_id}: {server_message(e)}"
+    if isinstance(e, ValueError) and "metadata" in str(e):
+        return f"the Hub rejected the model card's metadata: {' '.join(str(e).split())[:300]}"
+    # huggingface_hub's HTTP client (httpx, or httpx2 in 2.x) and requests: match by base-class name
+    network = {"TransportError", "RequestError", "ConnectionError", "Timeout", "TimeoutException"}
+    if isinstance(e, OSError) or network & {c.__name__ for c in type(e).__mro__}:
+        return (f"cannot reach the Hub at {endpoint} ({type(e).__name__}: {first_line(e)}): check the network, "
+                "a proxy, or HF_ENDPOINT")
+    return f"upload to {repo_id} failed ({type(e).__name__}: {first_line(e)})"
+
+
+def server_message(e: BaseException) -> str:
+    """The Hub's own error text when it sent JSON, else the exception's first line."""
+    try:
+        return str(e.response.json()["error"])
+    except Exception:
+        return first_line(e)
+
+
+def first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or ["no message"])[0][:200]
+
+
+def upload(export: Path, repo_id: str, *, private: bool = False, revision: str | None = None,
+           commit_message: str | None = None, token: str | None = None) -> str:
+    """create_repo(exist_ok) + upload_folder of an export folder; returns the commit URL. Failures raise one-line
+    HubErrors naming the kept export and the retry command; the token never appears in them."""
+    import huggingface_hub
+    from huggingface_hub import HfApi, constants
+
+    endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+    retry = retry_command(export, repo_id, private, revision, commit_message)
+    token = token or huggingface_hub.get_token()
+    if not token:
+        raise HubError(f"no Hugging Face token: run `hf auth login` (or set HF_TOKEN) with a write token; the export "
+                       f"is kept at {export}; retry: {retry}")
+    api = HfApi(endpoint=endpoint, token=token)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        if revision and revision != "main":
+            api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
+        info = api.upload_folder(repo_id=repo_id, folder_path=str(export), revision=revision, repo_type="model",
+                                 commit_message=commit_message or default_message(export))
+    except Exception as e:
+        message = describe_failure(e, repo_id, endpoint).replace(token, "***")
+        raise HubError(f"{message}; the export is kept at {export}; retry: {retry}") from None
+    return str(getattr(info, "commit_url", info))
+
+
+def default_message(export: Path) -> str:
+    meta = json.loads((export / MARKER).read_text()) if (export / MARKER).is_file() else {}
+    own = export / NATIVE_DIR / "eval.json"
+    tau = json.loads(own.read_text()).get("acceptance_length") if own.is_file() else None
+    return (f"draftlab {meta.get('kind', 'drafter')} ({meta.get('step', '?')}, {meta.get('format', '?')} format)"
+            + (f", tau {tau:.2f}" if isinstance(tau, (int, float)) else ""))
+
+
+def push_checkpoint(checkpoint: str | Path, repo_id: str, *, private: bool = False, revision: str | None = None,
+                    commit_message: str | None = None, fmt: str = "auto", export_dir: str | Path | None = None,
+                    target=None, tokenizer=None, target_path: str | None = None, base_model: str | None = None,
+                    eval_reports: list | tuple = (), license: str = "apache-2.0", token: str | None = None) -> str:
+    """Export a run / step folder (or take an existing export as is) and upload it to ORG/NAME; returns the
+    commit URL. The training loop calls this for `hub.push` (a run folder means its best step)."""
+    from draftlab.model_card import write_card
+
+    check_repo_id(repo_id)
+    if is_export(checkpoint):
+        export = Path(checkpoint)
+        meta = json.loads((export / MARKER).read_text())
+        if meta.get("repo_id") != repo_id:      # the card's usage lines name the repository
+            meta["repo_id"] = repo_id
+            (export / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+            write_card(export)
+    else:
+        export = export_checkpoint(checkpoint, export_dir or default_export_dir(checkpoint, repo_id), fmt=fmt,
+                                   target=target, tokenizer=tokenizer, target_path=target_path,
+                                   base_model=base_model, eval_reports=eval_reports, license=license, repo_id=repo_id)
+    return upload(export, repo_id, private=private, revision=revision, commit_message=commit_message, token=token)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# command line
+
+
+def push_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="draftlab push", description="Export a drafter for serving engines, with a "
+                                "model card of its measured acceptance length, and upload it to the Hub.")
+    p.add_argument("checkpoint", help="run folder (its best step), step_N folder, or an export folder")
+    p.add_argument("--repo-id", help="Hub model repository ORG/NAME (required unless --to)")
+    p.add_argument("--private", action="store_true", help="create the repository as private")
+    p.add_argument("--revision", help="branch to push to (created when missing; default main)")
+    p.add_argument("--commit-message", help="commit message (default: kind, step, format and tau)")
+    p.add_argument("--format", default="auto", choices=FORMATS, help="serving format (auto: the drafter kind's)")
+    p.add_argument("--to", help="export into this folder only, no upload")
+    p.add_argument("--target", help="target model (default: the one the checkpoint was trained with)")
+    p.add_argument("--base-model", help="Hub id of the target for the card and serving configs (default: the "
+                   "target path when it is a Hub id)")
+    p.add_argument("--eval", action="append", default=[], metavar="REPORT.json",
+                   help="extra `draftlab eval` report for the card's tau table (repeatable)")
+    p.add_argument("--license", default="apache-2.0", help="license in the card (default apache-2.0)")
+    return p
+
+
+def cmd_push(argv: list[str]) -> None:
+    args = push_parser().parse_args(argv)
+    if not args.to and not args.repo_id:
+        raise HubError("give --repo-id ORG/NAME to upload, or --to DIR for a local export only")
+    if args.repo_id:
+        check_repo_id(args.repo_id)
+    if args.base_model and not REPO_ID_RE.match(args.base_model):
+        raise HubError(f"--base-model {args.base_model} is not a Hub model id: use ORG/NAME")
+    options = dict(fmt=args.format, target_path=args.target, base_model=args.base_model, eval_reports=args.eval,
+                   license=args.license)
+    if args.to:
+        out = export_checkpoint(args.checkpoint, args.to, repo_id=args.repo_id, **options)
+        print(f"exported {ckpt.resolve_checkpoint(args.checkpoint)} to {out}:")
+        print("\n".join(f"  {p.relative_to(out)}" for p in sorted(out.rglob("*")) if p.is_file()))
+        return
+    url = push_checkpoint(args.checkpoint, args.repo_id, private=args.private, revision=args.revision,
+                          commit_message=args.commit_message, **options)
+    print(f"pushed to {args.repo_id}: {url}")

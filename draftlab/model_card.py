@@ -1,0 +1,251 @@
+"""The model card of an export: YAML front matter, measured acceptance length, usage per serving engine, recipe.
+
+Everything is read from the export folder itself (hub.py writes it): export.json (what was exported), the native
+checkpoint's eval.json, the extra eval reports and the run's config.yaml under draftlab/. So the card can be
+rendered again later, e.g. when an export made with `--to` is pushed under a repository id.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+KIND_NAMES = {"eagle": "EAGLE-1/2 head (feature-level autoregressive draft head)",
+              "eagle3": "EAGLE-3 head (multi-layer feature fusion, training-time test)",
+              "medusa": "Medusa-1 heads", "medusa2": "Medusa-2 heads (trained jointly with LoRA on the target)",
+              "small_lm": "small draft language model", "acceptance": "acceptance-prediction head"}
+FORMAT_NAMES = {"eagle": "the official EAGLE-1/2 layout (SafeAILab/EAGLE)",
+                "speculators": "the speculators format (vllm-project/speculators) that vLLM serves",
+                "medusa": "the Medusa heads layout (FasterDecoding/Medusa, TGI)",
+                "hf": "a standard transformers model folder", "draftlab": "the draftlab checkpoint only"}
+PLOT_NAME = "acceptance.png"
+
+
+def write_card(folder: str | Path) -> Path:
+    """Render README.md (and the acceptance plot) for the export in `folder`; returns the README path."""
+    from draftlab.hub import MARKER, NATIVE_DIR, REPORTS_DIR
+
+    folder = Path(folder)
+    meta = json.loads((folder / MARKER).read_text())
+    native = folder / NATIVE_DIR
+    run = yaml.safe_load((native / "config.yaml").read_text()) if (native / "config.yaml").is_file() else None
+    reports = collect_reports(native, sorted((native / REPORTS_DIR).glob("*.json")), run, meta.get("step"))
+    plotted = plot_acceptance(reports, folder / PLOT_NAME)
+    readme = folder / "README.md"
+    readme.write_text(render_card(meta, reports, run, plotted))
+    return readme
+
+
+def collect_reports(native: Path, extra: list[Path], run: dict | None, step: str | None) -> list[tuple[str, dict]]:
+    """(prompt-set label, report) pairs: the checkpoint's own eval.json first, then the extra reports."""
+    out = []
+    if (native / "eval.json").is_file():
+        prompts = ((run or {}).get("data") or {}).get("eval_prompts")
+        label = f"{Path(prompts).stem if prompts else 'eval prompts'} (in-training eval, {step})"
+        out.append((label, json.loads((native / "eval.json").read_text())))
+    for path in extra:
+        report = json.loads(path.read_text())
+        out.append((Path(report["prompts"]).stem if report.get("prompts") else path.stem.split("_", 1)[-1], report))
+    return out
+
+
+def front_matter(meta: dict) -> dict:
+    """base_model (only a real Hub id), library_name, license, tags, pipeline_tag when the repo is a full LM."""
+    kind, fmt = meta["kind"], meta["format"]
+    full_lm = fmt == "hf" or (meta.get("details") or {}).get("merged_target")
+    data = {"license": meta.get("license") or "apache-2.0",
+            "library_name": "transformers" if full_lm else "draftlab",
+            "tags": ["speculative-decoding", "draftlab", kind] + ([fmt] if fmt not in ("draftlab", kind, "hf") else [])}
+    if meta.get("base_model"):
+        data["base_model"] = meta["base_model"]
+    if full_lm:
+        data["pipeline_tag"] = "text-generation"
+    return data
+
+
+def tree_label(report: dict) -> str:
+    tree = report.get("tree") or {"kind": "chain", "draft_length": report.get("draft_length")}
+    if tree.get("kind") == "dynamic":
+        return f"dynamic tree (depth {tree.get('depth')}, top-k {tree.get('top_k')}, {tree.get('total_tokens')} nodes)"
+    if tree.get("kind") == "static":
+        return f"static tree ({len(tree.get('choices') or [])} nodes)"
+    return f"chain k={tree.get('draft_length')}"
+
+
+def fmt(x, digits: int = 3) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def tau_table(reports: list[tuple[str, dict]]) -> str:
+    lines = ["| prompt set | draft | temperature | tau | tau per prompt (mean) | per-position acceptance | speedup "
+             "| lossless | prompts |", "|---|---|---|---|---|---|---|---|---|"]
+    for label, r in reports:
+        per_pos = ", ".join(fmt(float(a), 2) for a in r.get("per_position_acceptance") or [])
+        speedup = f"{r['speedup']:.2f}x" if isinstance(r.get("speedup"), (int, float)) else "-"
+        lines.append(f"| {label} | {tree_label(r)} | {fmt(float(r.get('temperature') or 0.0), 2)} | "
+                     f"{fmt(r.get('acceptance_length'))} | {fmt(r.get('acceptance_length_macro'))} | {per_pos} | "
+                     f"{speedup} | {fmt(r.get('lossless')) if r.get('lossless') is not None else 'n/a'} | "
+                     f"{fmt(r.get('num_prompts'))} |")
+    return "\n".join(lines)
+
+
+def plot_acceptance(reports: list[tuple[str, dict]], path: Path) -> bool:
+    """Per-position acceptance, one line per report; False (no file) when no report has it."""
+    rows = [(label, r) for label, r in reports if r.get("per_position_acceptance")]
+    if not rows:
+        path.unlink(missing_ok=True)
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    for label, r in rows:
+        acc = r["per_position_acceptance"]
+        ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{label}: tau {fmt(r.get('acceptance_length'), 2)}")
+    ax.set_xticks(range(1, max(len(r["per_position_acceptance"]) for _, r in rows) + 1))
+    ax.set(xlabel="draft position (depth)", ylabel="share of rounds accepted", ylim=(0, 1.02),
+           title="Per-position acceptance")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def chain_k(meta: dict, reports) -> int:
+    return int(meta.get("draft_length") or next((r.get("draft_length") for _, r in reports if r.get("draft_length")),
+                                                None) or 5)
+
+
+def sglang_tree_flags(reports, k: int) -> str:
+    """The SGLang draft shape matching the first evaluated one (chain: top-k 1, k+1 draft tokens)."""
+    tree = (reports[0][1].get("tree") if reports else None) or {}
+    if tree.get("kind") == "dynamic":
+        return (f"--speculative-num-steps {tree['depth']} --speculative-eagle-topk {tree['top_k']} "
+                f"--speculative-num-draft-tokens {tree['total_tokens'] + 1}")
+    return f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
+
+
+def usage(meta: dict, reports) -> dict[str, str]:
+    """Engine -> markdown: a command that loads this export, or why that engine cannot."""
+    repo = meta.get("repo_id") or "ORG/NAME"
+    base = meta.get("base_model") or meta.get("target") or "TARGET"
+    fmt_, kind, k = meta["format"], meta["kind"], chain_k(meta, reports)
+    details = meta.get("details") or {}
+    no_tf = ("Not supported by transformers: `generate(assistant_model=...)` needs a complete language model, and "
+             "this drafter reads the target's hidden states.")
+    sh = "```bash\n{}\n```".format
+    if fmt_ == "eagle":
+        vllm = (sh(f"vllm serve {base} --speculative-config "
+                   f"'{{\"method\": \"eagle\", \"model\": \"{repo}\", \"num_speculative_tokens\": {k}}}'")
+                + "\n\n(vLLM's EAGLE-1 drafter is built for Llama-architecture targets.)")
+        if details.get("fc_bias", True):
+            vllm = ("Not supported by vLLM as exported: vLLM's EAGLE-1 module has no FC bias and would drop this "
+                    "head's trained `fc.bias`; a head trained with `drafter.fc_bias=false` serves in vLLM.")
+        return {"vLLM": vllm,
+                "SGLang": sh(f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE \\\n"
+                             f"  --speculative-draft-model-path {repo} {sglang_tree_flags(reports, k)}"),
+                "transformers": no_tf,
+                "official EAGLE code": "```python\nfrom eagle.model.ea_model import EaModel\n\nmodel = "
+                f"EaModel.from_pretrained(base_model_path=\"{base}\", ea_model_path=\"{repo}\", use_eagle3=False)\n```"}
+    if fmt_ == "speculators":
+        return {"vLLM": sh(f"vllm serve {repo}   # the speculators config names the target; vLLM loads both\n"
+                           f"# or, explicitly:\nvllm serve {base} --speculative-config "
+                           f"'{{\"method\": \"eagle3\", \"model\": \"{repo}\", \"num_speculative_tokens\": {k}}}'"),
+                "SGLang": "Not supported by SGLang as exported: its EAGLE-3 loader expects the official EAGLE-3 "
+                          "config and weight layout, not the speculators format.",
+                "transformers": no_tf}
+    if fmt_ == "medusa":
+        shared = ("" if details.get("layers", 1) == 1 else " The official Medusa code shares one ResBlock across "
+                  "a head's layers, so these multi-layer heads load correctly only in TGI.")
+        out = {"vLLM": "Not supported by vLLM as exported (vLLM's Medusa drafter needs a converted checkpoint).",
+               "SGLang": "Not supported by SGLang (it has no Medusa heads).",
+               "transformers": no_tf,
+               "TGI": sh(f"text-generation-launcher --model-id {repo}   # reads medusa_num_heads and "
+                         "base_model_name_or_path from config.json"),
+               "official Medusa code": "```python\nfrom medusa.model.medusa_model_legacy import MedusaModel\n\n"
+                                       f"model = MedusaModel.from_pretrained(\"{repo}\")\n```" + shared}
+        if details.get("merged_target"):
+            out["transformers"] = ("The adapted (LoRA-merged) target is the model here: "
+                                   f"`AutoModelForCausalLM.from_pretrained(\"{repo}\")`. The heads are not used by "
+                                   "transformers' `generate`.")
+        return out
+    if fmt_ == "hf":
+        return {"transformers": "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+                f"tokenizer = AutoTokenizer.from_pretrained(\"{base}\")\n"
+                f"target = AutoModelForCausalLM.from_pretrained(\"{base}\")\n"
+                f"draft = AutoModelForCausalLM.from_pretrained(\"{repo}\")\n"
+                "inputs = tokenizer.apply_chat_template([{\"role\": \"user\", \"content\": \"Hello!\"}], "
+                "add_generation_prompt=True, return_dict=True, return_tensors=\"pt\")\n"
+                "out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128)\n```",
+                "vLLM": sh(f"vllm serve {base} --speculative-config "
+                           f"'{{\"method\": \"draft_model\", \"model\": \"{repo}\", \"num_speculative_tokens\": {k}}}'"),
+                "SGLang": sh(f"python -m sglang.launch_server --model-path {base} --speculative-algorithm STANDALONE "
+                             f"\\\n  --speculative-draft-model-path {repo} {sglang_tree_flags([], k)}")}
+    return {"vLLM": "Not supported by vLLM (draftlab-native format).",
+            "SGLang": "Not supported by SGLang (draftlab-native format).", "transformers": no_tf}
+
+
+def training_section(run: dict | None, meta: dict) -> str:
+    if not run:
+        return "The run's config.yaml was not found beside this checkpoint: data and recipe unknown."
+    pick = lambda section, *keys: [(f"{section}.{k}", (run.get(section) or {}).get(k)) for k in keys]  # noqa: E731
+    rows = [("recipe", run.get("recipe")), ("checkpoint", meta.get("step"))]
+    rows += pick("target", "path") + pick("data", "train", "regenerate_from", "regenerate_num", "eval_prompts",
+                                          "max_length", "store")
+    rows += [(f"drafter.{k}", v) for k, v in (run.get("drafter") or {}).items() if v not in (None, "", [], {})]
+    rows += pick("train", "max_steps", "lr", "batch_size", "grad_accum", "schedule", "warmup_steps",
+                 "mixed_precision") + [("seed", run.get("seed")), ("world_size", run.get("world_size"))]
+    table = ["| setting | value |", "|---|---|"] + [f"| {k} | `{v}` |" for k, v in rows if v not in (None, "")]
+    full = yaml.safe_dump(run, sort_keys=False).rstrip()
+    return ("Training data and recipe, from the run's resolved config (`draftlab/config.yaml`):\n\n"
+            + "\n".join(table) + f"\n\n<details><summary>full config</summary>\n\n```yaml\n{full}\n```\n\n</details>")
+
+
+def render_card(meta: dict, reports: list[tuple[str, dict]], run: dict | None, plotted: bool) -> str:
+    kind, repo = meta["kind"], meta.get("repo_id")
+    base = meta.get("base_model")
+    target = f"[{base}](https://huggingface.co/{base})" if base else f"`{meta.get('target') or 'its target'}`"
+    title = repo.split("/")[-1] if repo else f"draftlab {kind} drafter"
+    what = KIND_NAMES.get(kind, kind)
+    intro = (f"{'An' if what[0] in 'AEIOU' else 'A'} {what} that drafts tokens for speculative decoding with {target}, trained "
+             "and scored with draftlab. The target verifies every drafted token, so the "
+             "generated text is the target's own (greedy: token-identical; sampling: the same distribution).")
+    if kind == "medusa2":
+        intro += (" Medusa-2 trains LoRA adapters on the target jointly with the heads: the model served is the "
+                  "adapted target (merged here), whose outputs differ slightly from the original target's.")
+    if not base:
+        intro += (f"\n\nThe target was a local model (`{meta.get('target')}`), not a Hub id, so the card has no "
+                  "`base_model`: export again with `--base-model ORG/NAME` to link it.")
+    parts = ["---\n" + yaml.safe_dump(front_matter(meta), sort_keys=False) + "---", f"# {title}", intro,
+             "## Acceptance length",
+             "tau = tokens emitted per target forward pass, measured by real speculative decoding against the target "
+             "(bonus token included; 1 means no gain, a chain of k drafts reaches at most k+1). Per-position "
+             "acceptance = share of rounds whose i-th draft token was accepted. Speedups are wall-clock on the "
+             "machine that ran the evaluation."]
+    parts.append(tau_table(reports) if reports else "No evaluation report was available for this checkpoint.")
+    if plotted:
+        parts.append(f"![per-position acceptance]({PLOT_NAME})")
+    cats = next((r["per_category"] for _, r in reports if r.get("per_category")), None)
+    if cats:
+        parts.append("| category | tau | prompts |\n|---|---|---|\n" + "\n".join(
+            f"| {c} | {fmt(v.get('acceptance_length'))} | {v.get('num_prompts')} |" for c, v in cats.items()))
+    parts += ["## Files", f"Format: {FORMAT_NAMES.get(meta['format'], meta['format'])}. The draftlab checkpoint is in "
+              "`draftlab/` (drafter_config.json, model.safetensors, eval.json, config.yaml); the `best` file points "
+              "there, so the downloaded folder works directly with `draftlab eval --checkpoint`."]
+    parts.append("## Usage")
+    for engine, text in usage(meta, reports).items():
+        parts += [f"### {engine}", text]
+    parts += ["### draftlab", "```bash\nhf download {0} --local-dir drafter\ndraftlab eval --checkpoint drafter "
+              "--target {1} --prompts prompts.jsonl --out report.json\n```".format(
+                  repo or "ORG/NAME", base or meta.get("target") or "TARGET")]
+    parts += ["## Training", training_section(run, meta)]
+    return "\n\n".join(parts) + "\n"
