@@ -50,11 +50,16 @@ class VocabularyMismatchError(ValueError):
 def target_tokenizer(target):
     """The target's tokenizer when it can be found from the model alone (its local folder), else None."""
     path = getattr(target.config, "_name_or_path", "") or ""
-    if not os.path.isdir(path) or not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+    return _folder_tokenizer(path) if os.path.isdir(path) else None
+
+
+def _folder_tokenizer(folder: str):
+    """The tokenizer saved in a model folder, or None when it has none."""
+    if not any((Path(folder) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def check_vocabulary(model, tokenizer, target, target_tok, where: str) -> None:
@@ -113,8 +118,8 @@ def _eos_ids(model) -> list[int]:
 def prompt_part(batch: dict, pad_id: int) -> tuple[Tensor, Tensor]:
     """The prompt of each right-padded row (tokens before its first assistant token), left-padded so that every
     prompt ends at the same column: ids [B, P], attention_mask [B, P]."""
-    ids, attn, mask = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool() & batch["attention_mask"].bool()
-    lengths = attn.sum(1)
+    ids, attn = batch["input_ids"], batch["attention_mask"].bool()
+    mask, lengths = batch["loss_mask"].bool() & attn, attn.sum(1)
     first = torch.where(mask.any(1), mask.float().argmax(1), lengths).clamp(min=1)
     width = int(first.max())
     out = torch.full((ids.shape[0], width), pad_id, dtype=ids.dtype, device=ids.device)
@@ -136,7 +141,7 @@ def continue_prompts(model, ids: Tensor, attention_mask: Tensor, steps: int, eos
 
     Greedy (argmax) or sampled from softmax(logits / temperature). Returns tokens [B, S] and mask [B, S]
     (1 up to and including each row's first EOS, S <= steps; pad_id after)."""
-    cache, attn = DynamicCache(), attention_mask.long()
+    cache, attn = DynamicCache(config=model.config), attention_mask.long()
     out = model(input_ids=ids, attention_mask=attn, position_ids=positions(attn), past_key_values=cache, use_cache=True)
     eos = torch.tensor(eos_ids, device=ids.device)
     alive = torch.ones(ids.shape[0], dtype=torch.bool, device=ids.device)
@@ -179,7 +184,8 @@ class SmallLM(nn.Module):
         from draftlab.losses import DIVERGENCES
 
         if settings["distill_loss"] not in DIVERGENCES:
-            raise ValueError(f"drafter.distill_loss is '{settings['distill_loss']}': choose one of {', '.join(DIVERGENCES)}")
+            raise ValueError(f"drafter.distill_loss is '{settings['distill_loss']}': choose one of "
+                             f"{', '.join(DIVERGENCES)}")
         self.model, self.settings = model, dict(settings)
         self.__dict__["target"] = target
         self.__dict__["tokenizer"] = tokenizer
@@ -205,12 +211,7 @@ class SmallLM(nn.Module):
             if not (Path(s["init_from"]) / "config.json").is_file():
                 raise ValueError(f"{where}: no config.json there; point it at a local transformers model folder")
             model = AutoModelForCausalLM.from_pretrained(s["init_from"], dtype=torch.float32)
-            own_tok = None
-            if any((Path(s["init_from"]) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-                from transformers import AutoTokenizer
-
-                own_tok = AutoTokenizer.from_pretrained(s["init_from"])
-            check_vocabulary(model, own_tok, target, tokenizer, where)
+            check_vocabulary(model, _folder_tokenizer(s["init_from"]), target, tokenizer, where)
         else:
             config = drafter_model_config(target, s["num_layers"], s["hidden_size"], s["num_attention_heads"],
                                           s["num_key_value_heads"], s["intermediate_size"])
@@ -341,7 +342,8 @@ class SmallLM(nn.Module):
         ones = torch.ones(student.shape[:2], device=student.device)
         name = self.settings["distill_loss"]
         extra = {"beta": self.settings["jsd_beta"]} if name == "jsd" else {}
-        loss = DIVERGENCES[name](student, mask=ones, temperature=self.settings["distill_temperature"], **teacher, **extra)
+        loss = DIVERGENCES[name](student, mask=ones, temperature=self.settings["distill_temperature"], **teacher,
+                                 **extra)
         with torch.no_grad():  # 1 - TVD at T=1: the expected acceptance rate of a sampled draft token here
             tvd = total_variation(student, mask=ones, **teacher)
             p = teacher["teacher_probs"] if topk is not None else teacher["teacher_logits"]
@@ -386,7 +388,9 @@ class SmallLMProposer:
 
     def reset(self, prompt_ids: Tensor) -> None:
         self.seq = prompt_ids.reshape(-1).tolist()
-        self.cache, self.cached = DynamicCache(), []       # cached: the tokens the cache holds, in order
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached: list[int] = []                        # the tokens the cache holds, in order
+        self.verified = 0                                  # cached[:verified] are committed tokens
         self.trees.reset(prompt_ids)
 
     def commit(self, tokens: Tensor, features: Tensor | None = None) -> None:
@@ -396,20 +400,23 @@ class SmallLMProposer:
     def _logits(self, new: list[int]) -> Tensor:
         """Feed tokens [n] after the cache; logits [V] (float32) after the last one."""
         device = self.model.device
-        out = self.model(input_ids=torch.tensor([new], device=device), past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=torch.tensor([new], device=device), past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=1)
         self.cached.extend(new)
         return out.logits[0, -1].float()
 
     def _catch_up(self) -> Tensor:
         """Drop cached drafts that were not committed; feed the rest of the sequence (at least the root)."""
-        keep = 0
         limit = min(len(self.cached), len(self.seq) - 1)
+        keep = min(self.verified, limit)
         while keep < limit and self.cached[keep] == self.seq[keep]:
             keep += 1
         if len(self.cached) > keep:
             self.cache.crop(-(len(self.cached) - keep))
             del self.cached[keep:]
-        return self._logits(self.seq[keep:])
+        logits = self._logits(self.seq[keep:])
+        self.verified = len(self.seq)
+        return logits
 
     @torch.inference_mode()
     def propose(self, spec, sampling, generator: torch.Generator | None = None):
