@@ -8,8 +8,9 @@ target forward and yields accepted + 1 tokens, counted before truncation at EOS 
 """
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -31,6 +32,8 @@ class GenerationResult:
     accepted: list[int] = field(default_factory=list)      # per round: accepted draft nodes
     draft_nodes: list[int] = field(default_factory=list)   # per round: nodes in the proposed tree
     draft_depth: list[int] = field(default_factory=list)   # per round: depth of the proposed tree
+    predicted: list[float] = field(default_factory=list)   # per verified draft node: the proposer's P(accept)
+    outcome: list[int] = field(default_factory=list)       # ... and whether the target accepted it (0/1)
 
     @property
     def rounds(self) -> int:
@@ -87,6 +90,19 @@ def compact_cache(cache: DynamicCache, start: int, keep: Tensor) -> None:
             layer.values = layer.values.index_select(-2, idx)
 
 
+def _record_predictions(result: GenerationResult, proposer, tree, path: list[int]) -> None:
+    """Pair the proposer's predicted acceptance of each node (if it exposes `predicted_acceptance`) with the
+    verdict, for the nodes the target actually judged: children of the root or of an accepted node."""
+    predicted = getattr(proposer, "predicted_acceptance", None)
+    if predicted is None:
+        return
+    accepted = set(path)
+    for node, (p, parent) in enumerate(zip(predicted, tree.parents.tolist())):
+        if math.isfinite(p) and (parent < 0 or parent in accepted):
+            result.predicted.append(float(p))
+            result.outcome.append(int(node in accepted))
+
+
 def _features(out, layers: tuple[int, ...]) -> Tensor | None:
     """[T, F] target features of a batch-1 forward, or None when the proposer needs none."""
     return target_features(out.hidden_states, layers)[0] if layers else None
@@ -133,6 +149,7 @@ def speculative_generate(target, proposer, prompt_ids: Tensor, spec: TreeSpec, s
         feats = _features(out, layers)
         proposer.commit(torch.tensor(new, device=device), feats[keep] if feats is not None else None)
 
+        _record_predictions(result, proposer, tree, verdict.path)
         result.accepted.append(len(verdict.path))
         result.draft_nodes.append(len(tree))
         result.draft_depth.append(tree.max_depth)
@@ -228,5 +245,33 @@ def evaluate(target, proposer, prompts: list[Tensor], *, spec: TreeSpec, samplin
     results = [speculative_generate(target, proposer, p, spec, sampling, max_new_tokens, eos_token_ids,
                                     _generator(device, seed, i))
                for i, p in enumerate(tqdm(prompts, desc="speculating", disable=not progress, leave=False))]
-    return build_report(results, baseline, spec=spec, sampling=sampling, categories=categories,
-                        wall_seconds=time.perf_counter() - wall)
+    report = build_report(results, baseline, spec=spec, sampling=sampling, categories=categories,
+                          wall_seconds=time.perf_counter() - wall)
+    if getattr(proposer, "adaptive", None) is not None:
+        report["adaptive"] = dict(proposer.adaptive)
+    return report
+
+
+def evaluate_adaptive(target, make_proposer, prompts: list[Tensor], *, spec: TreeSpec, sampling: Sampling,
+                      max_new_tokens: int, adaptive_threshold: float | None = None, min_draft: int | None = None,
+                      fixed_lengths: list[int] | None = None, baseline: dict | None = None, **kw) -> dict:
+    """Adaptive-length chains (stopping within [min_draft, spec.draft_length]) and fixed-k chains, on one baseline.
+
+    make_proposer(adaptive_threshold=..., min_draft=...) -> proposer (e.g. `partial(head.proposer, target)`);
+    None keeps the drafter's own setting, and threshold 1 gives fixed-k drafting. fixed_lengths: the k of the
+    fixed runs (default [spec.draft_length]). Returns the adaptive report with report["fixed_k"][str(k)] = the
+    fixed-k report. Other keyword arguments go to `evaluate`.
+    """
+    if spec.kind != "chain":
+        raise ValueError(f"adaptive draft length applies to chains; got a {spec.kind} tree")
+    if baseline is None:
+        baseline = run_baseline(target, prompts, sampling=sampling, max_new_tokens=max_new_tokens,
+                                eos_token_ids=kw.get("eos_token_ids"), seed=kw.get("seed", 0),
+                                progress=kw.get("progress", True), warmup=kw.get("warmup", True))
+    run = dict(prompts=prompts, sampling=sampling, max_new_tokens=max_new_tokens, baseline=baseline, **kw)
+    report = evaluate(target, make_proposer(adaptive_threshold=adaptive_threshold, min_draft=min_draft),
+                      spec=spec, **run)
+    report["fixed_k"] = {str(k): evaluate(target, make_proposer(adaptive_threshold=1.0, min_draft=min_draft),
+                                          spec=replace(spec, draft_length=k), **run)
+                         for k in (fixed_lengths or [spec.draft_length])}
+    return report

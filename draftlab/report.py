@@ -3,6 +3,9 @@
 Counting rules (ARCHITECTURE.md): rounds == target forwards (prefill excluded); new_tokens = sum over rounds
 of (accepted + 1) before truncation; acceptance_length (tau) = new_tokens / target_forwards, micro-averaged
 over all rounds of all prompts; the per-sample list and its mean (macro) are reported too.
+Draft cost: mean_draft_length = mean over rounds of the proposed tree's depth (a chain's length);
+wasted_draft_tokens = drafted nodes that were not accepted (rejected, or never judged after a rejection).
+Calibration (proposers that predict acceptance): predicted P(accept) of each judged draft node vs its verdict.
 """
 from __future__ import annotations
 
@@ -20,6 +23,35 @@ def _ratio(a: float, b: float) -> float | None:
 
 def _tau(results) -> float | None:
     return _ratio(sum(r.new_tokens for r in results), sum(r.rounds for r in results))
+
+
+def calibration(predicted: list[float], outcome: list[int], bins: int = 10) -> dict | None:
+    """Reliability of predicted acceptance probabilities against 0/1 verdicts (None when there are none).
+
+    Equal-width bins over [0, 1]; ece = sum_b (n_b / N) |mean predicted_b - accepted share_b| (in [0, 1]).
+    Returns {ece, brier, num_tokens, mean_predicted, accepted_rate, bins: [{lo, hi, count, mean_predicted,
+    accepted_rate}]} (empty bins have count 0 and null means).
+    """
+    n = len(predicted)
+    if n == 0:
+        return None
+    rows = [{"lo": b / bins, "hi": (b + 1) / bins, "count": 0, "sum_p": 0.0, "sum_y": 0} for b in range(bins)]
+    for p, y in zip(predicted, outcome):
+        row = rows[min(bins - 1, max(0, int(p * bins)))]
+        row["count"] += 1
+        row["sum_p"] += p
+        row["sum_y"] += y
+    ece = sum(abs(r["sum_p"] - r["sum_y"]) for r in rows) / n       # sum_b n_b/N |mean_p - mean_y|
+    return {
+        "ece": ece,
+        "brier": sum((p - y) ** 2 for p, y in zip(predicted, outcome)) / n,
+        "num_tokens": n,
+        "mean_predicted": sum(predicted) / n,
+        "accepted_rate": sum(outcome) / n,
+        "bins": [{"lo": r["lo"], "hi": r["hi"], "count": r["count"],
+                  "mean_predicted": _ratio(r["sum_p"], r["count"]), "accepted_rate": _ratio(r["sum_y"], r["count"])}
+                 for r in rows],
+    }
 
 
 def build_report(results: list, baseline: dict, *, spec: TreeSpec, sampling: Sampling,
@@ -54,6 +86,8 @@ def build_report(results: list, baseline: dict, *, spec: TreeSpec, sampling: Sam
         "target_forwards": rounds,
         "generated_tokens": emitted,
         "mean_draft_nodes": _ratio(sum(n for r in results for n in r.draft_nodes), rounds),
+        "mean_draft_length": _ratio(sum(depths), rounds),
+        "wasted_draft_tokens": sum(n for r in results for n in r.draft_nodes) - sum(accepted),
         "draft_length": spec.max_depth,
         "temperature": float(sampling.temperature),
         "sampling": sampling.to_dict(),
@@ -72,6 +106,10 @@ def build_report(results: list, baseline: dict, *, spec: TreeSpec, sampling: Sam
             groups.setdefault("uncategorized" if c is None else str(c), []).append(r)
         report["per_category"] = {c: {"acceptance_length": _tau(rs), "num_prompts": len(rs)}
                                   for c, rs in sorted(groups.items())}
+    calib = calibration([p for r in results for p in getattr(r, "predicted", [])],
+                        [y for r in results for y in getattr(r, "outcome", [])])
+    if calib is not None:
+        report["calibration"] = calib
     return report
 
 
@@ -131,6 +169,8 @@ def report_markdown(report: dict) -> str:
         ("draft", _tree_label(report)),
         ("temperature", _fmt(report["temperature"], 2)),
         ("per-position acceptance", ", ".join(_fmt(x, 2) for x in report["per_position_acceptance"])),
+        ("mean draft length", _fmt(report.get("mean_draft_length"), 2)),
+        ("wasted draft tokens", _fmt(report.get("wasted_draft_tokens"))),
         ("rounds (target forwards)", _fmt(report["rounds"])),
         ("new tokens", _fmt(report["new_tokens"])),
         ("tokens/s speculative", _fmt(report["tokens_per_second"], 1)),
@@ -139,7 +179,19 @@ def report_markdown(report: dict) -> str:
         ("lossless (greedy identity)", _fmt(report["lossless"]) if report["lossless"] is not None else "n/a"),
         ("prompts", _fmt(report["num_prompts"])),
     ]
+    if report.get("adaptive"):
+        rows.insert(3, ("adaptive stopping", f"1 - prod(p_hat) > {report['adaptive']['threshold']:g}, "
+                                             f"min {report['adaptive']['min_draft']}"))
+    if report.get("calibration"):
+        rows.append(("calibration ECE", f"{report['calibration']['ece']:.3f} "
+                                        f"({report['calibration']['num_tokens']} judged draft tokens)"))
     lines = ["| metric | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows]
+    if report.get("fixed_k"):
+        lines += ["", "| drafting | mean draft length | wasted draft tokens | tau | speedup |", "|---|---|---|---|---|"]
+        runs = [(f"adaptive (<= {report['draft_length']})", report)]
+        runs += [(f"fixed k={k}", r) for k, r in report["fixed_k"].items()]
+        lines += [f"| {name} | {_fmt(r.get('mean_draft_length'), 2)} | {_fmt(r.get('wasted_draft_tokens'))} | "
+                  f"{_fmt(r['acceptance_length'])} | {_fmt(r['speedup'], 2)} |" for name, r in runs]
     if report.get("per_category"):
         lines += ["", "| category | tau | prompts |", "|---|---|---|"]
         lines += [f"| {c} | {_fmt(v['acceptance_length'])} | {v['num_prompts']} |"
@@ -176,4 +228,32 @@ def save_plots(report: dict, out_dir: str | Path, prefix: str = "eval") -> list[
         paths.append(str(out_dir / f"{prefix}_per_category.png"))
         fig.savefig(paths[-1], dpi=100)
         plt.close(fig)
+    if report.get("calibration"):
+        paths.append(str(plot_calibration(report["calibration"], out_dir / f"{prefix}_calibration.png")))
     return paths
+
+
+def plot_calibration(calib: dict, path: str | Path) -> Path:
+    """Reliability diagram: accepted share against mean predicted P(accept) per bin, the diagonal, the counts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    filled = [b for b in calib["bins"] if b["count"]]
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(4.5, 5), height_ratios=[3, 1], sharex=True)
+    ax.plot([0, 1], [0, 1], color="grey", lw=0.8, ls=":", label="perfect calibration")
+    ax.plot([b["mean_predicted"] for b in filled], [b["accepted_rate"] for b in filled], marker="o",
+            label="acceptance head")
+    ax.set(ylabel="accepted share", xlim=(0, 1), ylim=(0, 1),
+           title=f"calibration: ECE {calib['ece']:.3f} ({calib['num_tokens']} tokens)")
+    ax.legend(fontsize=8, loc="upper left")
+    bx.bar([(b["lo"] + b["hi"]) / 2 for b in calib["bins"]], [b["count"] for b in calib["bins"]],
+           width=0.9 / len(calib["bins"]), color="tab:grey")
+    bx.set(xlabel="predicted P(accept)", ylabel="tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
