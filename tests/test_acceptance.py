@@ -2,6 +2,7 @@
 threshold 1 is fixed-k drafting; draft-cost counts and calibration in the report."""
 from __future__ import annotations
 
+import json
 import math
 from functools import partial
 from types import SimpleNamespace
@@ -259,3 +260,28 @@ def test_every_report_has_the_draft_cost_keys(tiny_target, prompts):
     report = evaluate(model, TargetCopyProposer(model), prompts[:1], spec=TreeSpec(draft_length=3),
                       sampling=GREEDY, max_new_tokens=12, progress=False)
     assert report["mean_draft_length"] == 3 and report["wasted_draft_tokens"] == 0
+
+
+# --- the training loop -------------------------------------------------------------------------------------
+
+def test_recipe_trains_and_evaluates_in_the_loop(tiny_target, tiny_target_dir, tiny_chat_file, tiny_prompt_file,
+                                                 base_dir, tmp_path):
+    from draftlab.config import DrafterConfig, load_config
+    from draftlab.train import main
+
+    needed = ("base", "acceptance_layers", "mix_ratio", "reject_weight", "adaptive_threshold", "min_draft",
+              "acceptance_label")
+    if not all(hasattr(DrafterConfig, name) for name in needed):
+        pytest.skip("config.DrafterConfig does not have the acceptance fields yet")
+    out = tmp_path / "run"
+    cfg = load_config(["recipe=acceptance_head", f"target.path={tiny_target_dir}", f"data.train={tiny_chat_file}",
+                       f"data.eval_prompts={tiny_prompt_file}", f"out_dir={out}", f"drafter.base={base_dir}",
+                       "train.max_steps=4", "eval.every=2", "eval.num_prompts=2", "eval.max_new_tokens=12",
+                       "eval.draft_length=4", "train.batch_size=4", "train.grad_accum=1", "train.warmup_steps=0",
+                       "data.max_length=96", "tracking=none", "train.keep_last=0", "train.lr=1e-3"])
+    main(cfg)
+    report = json.loads((out / "step_4" / "eval.json").read_text())
+    assert report["lossless"] and report["adaptive"]["threshold"] == 0.3
+    assert 1 <= report["mean_draft_length"] <= 4 and report["wasted_draft_tokens"] >= 0
+    assert 0 <= report["calibration"]["ece"] <= 1
+    assert isinstance(ckpt.load_drafter(out, tiny_target[0]), AcceptanceHead)
