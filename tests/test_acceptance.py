@@ -125,6 +125,16 @@ def test_the_head_loss_falls_and_only_the_head_trains(tiny_target, tiny_chat_fil
     assert all(not p.requires_grad for p in head.base.parameters())
 
 
+def test_labelling_in_chunks_matches_one_pass(tiny_target, base_dir):
+    model = tiny_target[0]
+    head = AcceptanceHead.from_target(model, SimpleNamespace(base=str(base_dir), acceptance_label="greedy"))
+    base_states = torch.randn(10, head.out.in_features)
+    target_states = torch.randn(10, model.config.hidden_size)
+    whole = head._draft_and_label(base_states, target_states)
+    for got, want in zip(head._draft_and_label(base_states, target_states, chunk=3), whole):
+        torch.testing.assert_close(got, want)
+
+
 def test_mixing_ratio_controls_the_labelled_share(tiny_target, tiny_chat_file, base_dir):
     model = tiny_target[0]
     batch = _batch(tiny_target, tiny_chat_file)

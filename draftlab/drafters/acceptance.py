@@ -139,6 +139,14 @@ class AcceptanceHead(nn.Module):
                               logits_to_keep=1)
         return out.hidden_states[-1]
 
+    def _draft_and_label(self, base_states: Tensor, target_states: Tensor, chunk: int = 1024):
+        """base_states [N, d], target_states [N, D] at the drafted positions -> drafted [N], labels [N]. A chunk
+        of positions at a time, so the [N, V] logits of both models never exist in full."""
+        lm_q, lm_p = self.base.model.get_output_embeddings(), self.target.get_output_embeddings()
+        pieces = [draft_and_label(lm_q(b), lm_p(t), self.settings["acceptance_label"])
+                  for b, t in zip(base_states.split(chunk), target_states.split(chunk))]
+        return torch.cat([d for d, _ in pieces]), torch.cat([label for _, label in pieces])
+
     # --- the loss -----------------------------------------------------------------------------------------
     def loss(self, batch: dict, features: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
         """batch: input_ids, attention_mask, loss_mask [B, T] (the target's own answers); features unused.
@@ -150,11 +158,9 @@ class AcceptanceHead(nn.Module):
         ids, attn = batch["input_ids"], batch["attention_mask"]
         where = (batch["loss_mask"] * attn)[:, 1:].bool()                 # [B, T-1]: token t+1 is drafted
         with torch.no_grad():
-            lm_head = self.base.model.get_output_embeddings()
-            q_logits = lm_head(self._base_states(ids, attn)[:, :-1][where])                       # [N, V]
+            base_states = self._base_states(ids, attn)[:, :-1][where]                            # [N, d]
             target_states = self.target.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
-            p_logits = self.target.get_output_embeddings()(target_states[:, :-1][where])         # [N, V]
-            drafted, labels = draft_and_label(q_logits, p_logits, self.settings["acceptance_label"])
+            drafted, labels = self._draft_and_label(base_states, target_states[:, :-1][where])
             # Z: the target's token with probability mix_ratio (unlabelled), else the draft (labelled)
             keep_target = torch.rand(drafted.shape, device=ids.device) < self.settings["mix_ratio"]
             mixed = ids.clone()
