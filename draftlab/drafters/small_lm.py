@@ -31,6 +31,8 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from draftlab.config import ConfigError
+
 MODES = ("offline_blackbox", "offline_whitebox", "online_whitebox", "online_blackbox")
 _DEFAULTS = {"num_layers": 1, "hidden_size": 0, "num_attention_heads": 0, "num_key_value_heads": 0,
              "intermediate_size": 0, "share_embeddings": True, "train_shared_embeddings": False, "init_from": "",
@@ -39,7 +41,7 @@ _DEFAULTS = {"num_layers": 1, "hidden_size": 0, "num_attention_heads": 0, "num_k
              "teacher_topk": 20}
 
 
-class VocabularyMismatchError(ValueError):
+class VocabularyMismatchError(ConfigError):
     """The drafter's tokenizer or vocabulary is not the target's; the message says what, where and how to fix."""
 
 
@@ -88,7 +90,7 @@ def drafter_model_config(target, num_layers: int, hidden_size: int, heads: int, 
     heads = heads or (cfg.num_attention_heads if hidden == cfg.hidden_size else max(1, hidden // 64))
     kv = kv_heads or min(getattr(cfg, "num_key_value_heads", heads) or heads, heads)
     if hidden % heads or heads % kv:
-        raise ValueError(f"small_lm: hidden_size {hidden} must be divisible by num_attention_heads {heads}, and "
+        raise ConfigError(f"small_lm: hidden_size {hidden} must be divisible by num_attention_heads {heads}, and "
                          f"that by num_key_value_heads {kv}: set drafter.num_attention_heads / num_key_value_heads")
     default_inter = cfg.intermediate_size if hidden == cfg.hidden_size else 4 * hidden
     cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size = num_layers, hidden, intermediate or default_inter
@@ -180,11 +182,11 @@ class SmallLM(nn.Module):
     def __init__(self, target, model: nn.Module, settings: dict, tokenizer=None):
         super().__init__()
         if settings["distill_mode"] not in MODES:
-            raise ValueError(f"drafter.distill_mode is '{settings['distill_mode']}': choose one of {', '.join(MODES)}")
+            raise ConfigError(f"drafter.distill_mode is '{settings['distill_mode']}': choose one of {', '.join(MODES)}")
         from draftlab.losses import DIVERGENCES
 
         if settings["distill_loss"] not in DIVERGENCES:
-            raise ValueError(f"drafter.distill_loss is '{settings['distill_loss']}': choose one of "
+            raise ConfigError(f"drafter.distill_loss is '{settings['distill_loss']}': choose one of "
                              f"{', '.join(DIVERGENCES)}")
         self.model, self.settings = model, dict(settings)
         self.__dict__["target"] = target
@@ -209,7 +211,7 @@ class SmallLM(nn.Module):
         if s["init_from"]:
             where = f"drafter.init_from={s['init_from']}"
             if not (Path(s["init_from"]) / "config.json").is_file():
-                raise ValueError(f"{where}: no config.json there; point it at a local transformers model folder")
+                raise ConfigError(f"{where}: no config.json there; point it at a local transformers model folder")
             model = AutoModelForCausalLM.from_pretrained(s["init_from"], dtype=torch.float32)
             check_vocabulary(model, _folder_tokenizer(s["init_from"]), target, tokenizer, where)
         else:
@@ -234,7 +236,7 @@ class SmallLM(nn.Module):
         copied again from the target when a checkpoint is loaded."""
         mine, theirs = model.get_input_embeddings().weight, target.get_input_embeddings().weight
         if mine.shape != theirs.shape:
-            raise ValueError(f"drafter.share_embeddings needs the target's width: the drafter has hidden_size "
+            raise ConfigError(f"drafter.share_embeddings needs the target's width: the drafter has hidden_size "
                              f"{mine.shape[1]}, the target {theirs.shape[1]}; set drafter.hidden_size=0 (the target's) "
                              "or drafter.share_embeddings=false")
         with torch.no_grad():
@@ -292,7 +294,7 @@ class SmallLM(nn.Module):
             return self._cross_entropy(*seq)
         missing = [k for k in ("teacher_topk_ids", "teacher_topk_logprobs") if k not in batch]
         if missing:
-            raise ValueError(f"small_lm offline_whitebox needs the target's top-k logits in the batch ({missing} "
+            raise ConfigError(f"small_lm offline_whitebox needs the target's top-k logits in the batch ({missing} "
                              "missing): set data.store=PATH so the training loop builds and reads the store")
         return self._divergence(*seq, topk=(batch["teacher_topk_ids"],
                                 batch["teacher_topk_logprobs"], batch.get("teacher_tail_mass")))
