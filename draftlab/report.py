@@ -155,6 +155,8 @@ def summary_line(report: dict) -> str:
     parts = [f"tau {_fmt(report['acceptance_length'], 2)} ({_tree_label(report)}, T={report['temperature']:g})",
              f"{_fmt(report['tokens_per_second'], 1)} tok/s vs {_fmt(report['baseline_tokens_per_second'], 1)}"
              f" target-only = {_fmt(report['speedup'], 2)}x"]
+    if report.get("adaptive"):
+        parts.insert(1, f"adaptive: mean draft length {_fmt(report['mean_draft_length'], 2)}")
     if report.get("lossless") is not None:
         parts.append(f"lossless {_fmt(report['lossless'])}")
     parts.append(f"{report['num_prompts']} prompts")

@@ -15,7 +15,7 @@ from draftlab.drafters.acceptance import AcceptanceHead, AdaptiveProposer, draft
 from draftlab.drafters.small_lm import SmallLM, SmallLMProposer
 from draftlab.evaluator import (GenerationResult, evaluate, evaluate_adaptive, run_baseline, speculative_generate,
                                 target_generate)
-from draftlab.report import build_report, calibration, report_markdown, save_plots
+from draftlab.report import build_report, calibration, report_markdown, save_plots, summary_line
 from draftlab.trees import TreeSpec
 from draftlab.verify import Sampling
 
@@ -258,6 +258,8 @@ def test_adaptive_and_fixed_k_side_by_side(tiny_target, head, prompts, tmp_path)
     assert report["lossless"] and 1 <= report["mean_draft_length"] <= 5
     calib = report["calibration"]
     assert 0.0 <= calib["ece"] <= 1.0 and calib["num_tokens"] > 0
+    assert all("adaptive" not in fixed for fixed in report["fixed_k"].values())
+    assert "adaptive: mean draft length" in summary_line(report)
     assert "fixed k=2" in report_markdown(report) and "calibration ECE" in report_markdown(report)
     paths = save_plots(report, tmp_path, prefix="eval")
     assert str(tmp_path / "eval_calibration.png") in paths and (tmp_path / "eval_calibration.png").stat().st_size

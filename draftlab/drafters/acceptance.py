@@ -204,8 +204,9 @@ class AdaptiveProposer(SmallLMProposer):
         super().__init__(model)
 
     @property
-    def adaptive(self) -> dict:
-        return {"threshold": self.threshold, "min_draft": self.min_draft}
+    def adaptive(self) -> dict | None:
+        """The stopping rule for the report; None at threshold >= 1, which is fixed-k drafting."""
+        return {"threshold": self.threshold, "min_draft": self.min_draft} if self.threshold < 1.0 else None
 
     def _logits(self, new: list[int]) -> Tensor:
         """As SmallLMProposer._logits (feed tokens after the cache, logits [V] after the last), also keeping the
