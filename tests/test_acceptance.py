@@ -125,6 +125,26 @@ def test_the_head_loss_falls_and_only_the_head_trains(tiny_target, tiny_chat_fil
     assert all(not p.requires_grad for p in head.base.parameters())
 
 
+def test_the_head_learns_a_state_dependent_acceptance(tiny_target, base_dir):
+    """Beyond the mean: labels that depend on the drafter state (here a direction in it) are learned."""
+    from draftlab.losses import acceptance_bce
+
+    torch.manual_seed(0)
+    net = AcceptanceHead.from_target(tiny_target[0], SimpleNamespace(base=str(base_dir)))
+    gen = torch.Generator().manual_seed(0)
+    states = torch.randn(512, net.out.in_features, generator=gen)
+    labels = torch.sigmoid(3 * states[:, 0])
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss = acceptance_bce(net(states)[None], labels[None], torch.ones(1, 512))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        pred = torch.sigmoid(net(states))
+    assert torch.corrcoef(torch.stack([pred, labels]))[0, 1] > 0.9
+
+
 def test_labelling_in_chunks_matches_one_pass(tiny_target, base_dir):
     model = tiny_target[0]
     head = AcceptanceHead.from_target(model, SimpleNamespace(base=str(base_dir), acceptance_label="greedy"))
