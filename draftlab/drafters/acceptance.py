@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from draftlab.config import ConfigError
 from draftlab.drafters.small_lm import SmallLMProposer
 
 LABELS = ("sampled", "greedy")
@@ -78,13 +79,13 @@ class AcceptanceHead(nn.Module):
     def __init__(self, target, base, settings: dict):
         super().__init__()
         if getattr(base, "kind", None) != "small_lm":
-            raise ValueError(f"drafter.base {settings['base']} is a '{getattr(base, 'kind', '?')}' drafter: the "
+            raise ConfigError(f"drafter.base {settings['base']} is a '{getattr(base, 'kind', '?')}' drafter: the "
                              "acceptance head needs a small_lm base (its proposer keeps the drafter's hidden states)")
         if settings["acceptance_label"] not in LABELS:
-            raise ValueError(f"drafter.acceptance_label is '{settings['acceptance_label']}': choose one of "
+            raise ConfigError(f"drafter.acceptance_label is '{settings['acceptance_label']}': choose one of "
                              f"{', '.join(LABELS)}")
         if not 0.0 <= settings["mix_ratio"] < 1.0:
-            raise ValueError(f"drafter.mix_ratio is {settings['mix_ratio']}: it must be in [0, 1) (the share of "
+            raise ConfigError(f"drafter.mix_ratio is {settings['mix_ratio']}: it must be in [0, 1) (the share of "
                              "target tokens in the head's input; 1 would leave no labelled position)")
         self.settings = dict(settings)
         self.__dict__["target"] = target
@@ -100,7 +101,7 @@ class AcceptanceHead(nn.Module):
         """cfg: any object with the fields of _DEFAULTS; `base` (a small_lm run or step folder) is required."""
         settings = {k: getattr(cfg, k, v) for k, v in _DEFAULTS.items()}
         if not settings["base"]:
-            raise ValueError("drafter.base is empty: point it at the small_lm run (or step_N folder) whose drafts "
+            raise ConfigError("drafter.base is empty: point it at the small_lm run (or step_N folder) whose drafts "
                              "the acceptance head should judge")
         from draftlab.checkpoint import resolve_checkpoint
 
@@ -121,7 +122,7 @@ class AcceptanceHead(nn.Module):
         from draftlab.target import target_fingerprint
 
         return {"kind": self.kind, **self.settings, "base_kind": self.base.kind,
-                "hidden_size": self.out.in_features, "target": target_fingerprint(self.target, None)}
+                "head_width": self.out.in_features, "target": target_fingerprint(self.target, None)}
 
     @classmethod
     def from_config(cls, config: dict, target) -> "AcceptanceHead":
