@@ -72,6 +72,32 @@ class DrafterConfig:
     """EAGLE: weight of the soft cross-entropy against the target distribution."""
     fc_bias: bool = True
     """EAGLE: bias in the fusion layer."""
+    aux_layers: list[int] = field(default_factory=list)
+    """EAGLE-3: target hidden-state indices the head fuses ([] = [2, L//2, L-3] for an L-layer target)."""
+    ttt_steps: int = 7
+    """EAGLE-3: training-time-test steps (the head is fed its own outputs this many times per position)."""
+    ttt_decay: float = 0.8
+    """EAGLE-3: loss weight decay^j of training-time-test step j."""
+    draft_vocab_size: int = 0
+    """EAGLE-3: draft vocabulary = the N most frequent assistant tokens of data.train (0 = the full vocabulary)."""
+    medusa_heads: int = 4
+    """Medusa: number of heads (head k, 1-based, predicts token t+1+k)."""
+    medusa_layers: int = 1
+    """Medusa: residual blocks per head."""
+    medusa_decay: float = 0.8
+    """Medusa: head k's loss weight is medusa_weight * medusa_decay^k (k = 1..K)."""
+    medusa_weight: float = 0.2
+    """Medusa: lambda_0, the coefficient of the heads' loss."""
+    medusa_tree_nodes: int = 63
+    """Medusa: nodes of the static tree built from the per-head accuracies measured in training."""
+    lora_r: int = 0
+    """LoRA rank: Medusa-2 adapters on the target (>= 1), small_lm adapters (0 = none)."""
+    lora_alpha: int = 0
+    """LoRA alpha (0 = 2 * lora_r)."""
+    lora_dropout: float = 0.0
+    """Medusa-2: dropout on the LoRA path."""
+    kl_weight: float = 1.0
+    """Medusa-2: weight of KL(original target || adapted target), which keeps the served model close to the original."""
 
 
 @dataclass

@@ -313,7 +313,7 @@ class InLoopEvaluator:
         spec = TreeSpec(kind=e.tree, draft_length=e.draft_length, depth=e.depth, top_k=e.top_k,
                         total_tokens=e.total_tokens)
         sampling = Sampling(temperature=e.temperature)
-        if self.baseline is None:
+        if self.baseline is None or getattr(drafter, "adapts_target", False):  # Medusa-2 changes the target
             self.baseline = run_baseline(self.target, self.prompt_ids, max_new_tokens=e.max_new_tokens,
                                          eos_token_ids=self.eos, sampling=sampling, seed=e.seed)
         was_training = drafter.training
