@@ -79,23 +79,24 @@ class Source:
             self._target = loaded
         return loaded
 
-    def target_config(self):
-        """The target's text config (from the loaded model, else from its config.json without loading weights)."""
+    @cached_property
+    def full_config(self):
+        """The target's config (from the loaded model, else from its config.json without loading the weights)."""
         if self._target is not None:
-            config = self._target[0].config
-        else:
-            from transformers import AutoConfig
+            return self._target[0].config
+        from transformers import AutoConfig
 
-            from draftlab.target import convert_gguf, resolve_target_path
+        from draftlab.target import convert_gguf, resolve_target_path
 
-            where = resolve_target_path(self.target_path)
-            config = AutoConfig.from_pretrained(convert_gguf(where) if where.lower().endswith(".gguf") else where)
-        return config.get_text_config()
+        where = resolve_target_path(self.target_path)
+        return AutoConfig.from_pretrained(convert_gguf(where) if where.lower().endswith(".gguf") else where)
+
+    def target_config(self):
+        return self.full_config.get_text_config()
 
     def architectures(self) -> list[str]:
-        if self._target is not None:
-            return list(self._target[0].config.architectures or [type(self._target[0]).__name__])
-        return list(self.target_config().architectures or [])
+        own = [type(self._target[0]).__name__] if self._target is not None else []
+        return list(self.full_config.architectures or own)
 
 
 def looks_like_hub_id(name: str | None) -> bool:
@@ -120,13 +121,10 @@ def export_eagle(src: Source, out: Path, meta: dict) -> dict:
     model, _ = src.target()
     weights["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().to("cpu", weights["fc.weight"].dtype)
     qkv_bias = "layers.0.self_attn.q_proj.bias" in weights
-    expected = {"fc.weight", "fc.bias", "embed_tokens.weight"}
-    for i in range(layers):
-        p = f"layers.{i}."
-        expected |= {p + f"self_attn.{n}_proj.weight" for n in "qkvo"} | {p + f"mlp.{n}_proj.weight" for n in
-                                                                            ("gate", "up", "down")}
-        expected |= {p + "post_attention_layernorm.weight"} | ({p + "input_layernorm.weight"} if i else set())
-        expected |= {p + f"self_attn.{n}_proj.bias" for n in "qkv"} if qkv_bias else set()
+    names = [f"self_attn.{n}_proj.weight" for n in "qkvo"] + [f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    names += ["post_attention_layernorm.weight"] + ([f"self_attn.{n}_proj.bias" for n in "qkv"] if qkv_bias else [])
+    expected = {"fc.weight", "fc.bias", "embed_tokens.weight"} | {f"layers.{i}.{n}" for i in range(layers)
+                                                                 for n in names + ["input_layernorm.weight"] * (i > 0)}
     if set(weights) != expected:
         odd = sorted(set(weights) ^ expected)[:3]
         raise HubError(f"this eagle head has weights the official EAGLE code does not know ({odd}): its target "
@@ -255,12 +253,35 @@ def export_small_lm(src: Source, out: Path, meta: dict) -> dict:
     return {}
 
 
+def export_acceptance(src: Source, out: Path, meta: dict) -> dict:
+    """A SpecDec++ acceptance head beside its drafter: the base small_lm as a transformers folder (it drafts on
+    its own as `assistant_model`, with a fixed length), the head in acceptance_head/ (config.json +
+    model.safetensors: blocks.{i}.linear.*, out.* over the drafter's final-norm hidden state), and the base's
+    draftlab checkpoint in draftlab/base/, which the exported drafter_config.json names."""
+    model, tokenizer = src.target()
+    head = ckpt.load_drafter(src.folder, model)
+    head.base.export_pretrained(out, tokenizer)
+    (out / "acceptance_head").mkdir()
+    save_file({k: v.contiguous() for k, v in src.weights.items()}, str(out / "acceptance_head" / "model.safetensors"))
+    keys = ("acceptance_layers", "adaptive_threshold", "min_draft", "acceptance_label")
+    (out / "acceptance_head" / "config.json").write_text(json.dumps(
+        {"hidden_size": head.out.in_features, **{k: head.settings[k] for k in keys},
+         "input": "the draft model's last hidden state (after its final norm) at the draft token",
+         "output": "logit of P(the target accepts the token); stop once 1 - prod(p) > adaptive_threshold"}, indent=2))
+    base = Path(src.config["base"])
+    shutil.copytree(base, out / NATIVE_DIR / "base", ignore=shutil.ignore_patterns(ckpt.STATE_NAME, "*.tmp"))
+    config = {**src.config, "base": str(Path(meta["export_dir"]).resolve() / NATIVE_DIR / "base")}
+    (out / NATIVE_DIR / ckpt.CONFIG_NAME).write_text(json.dumps(config, indent=2))
+    return {"acceptance_head": True}
+
+
 EXPORTERS = {
     "eagle": ("eagle", export_eagle),
     "eagle3": ("speculators", export_eagle3),
     "medusa": ("medusa", export_medusa),
     "medusa2": ("medusa", export_medusa),
     "small_lm": ("hf", export_small_lm),
+    "acceptance": ("hf", export_acceptance),
 }
 FORMATS = ("auto", "draftlab", "speculators", "eagle", "medusa", "hf")
 
@@ -278,7 +299,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str =
     fmt: "auto" (the kind's serving format), "draftlab" (native files and card only), or a format name that must
     match the kind. target/tokenizer: an already loaded target (else it is loaded from target_path or the run's
     config when an exporter needs it). The folder is written beside out_dir and renamed into place."""
-    from draftlab.model_card import write_card
+    from draftlab.model_card import read_report, write_card
 
     folder = ckpt.resolve_checkpoint(checkpoint)
     reports = [read_report(p) for p in eval_reports]
@@ -288,61 +309,38 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str =
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / NATIVE_DIR / REPORTS_DIR).mkdir(parents=True)
-    for name in (ckpt.CONFIG_NAME, ckpt.WEIGHTS_NAME, "eval.json"):
-        if (folder / name).is_file():
-            shutil.copy2(folder / name, tmp / NATIVE_DIR / name)
-    for path in (folder / "config.yaml", folder.parent / "config.yaml"):
-        if path.is_file():
-            shutil.copy2(path, tmp / NATIVE_DIR / "config.yaml")
-            break
-    for i, (path, report) in enumerate(reports):
-        (tmp / NATIVE_DIR / REPORTS_DIR / f"{i:02d}_{Path(path).stem}.json").write_text(json.dumps(report, indent=2))
-    (tmp / "best").write_text(NATIVE_DIR + "\n")
-
-    own = (tmp / NATIVE_DIR / "eval.json")
-    first = json.loads(own.read_text()) if own.is_file() else (reports[0][1] if reports else {})
-    meta = {"draftlab_export": 1, "kind": src.kind, "format": fmt, "repo_id": repo_id, "base_model": src.base_model,
-            "target": src.target_path, "license": license, "step": folder.name,
-            "draft_length": first.get("draft_length"), "details": {}}
     try:
-        if fmt != "draftlab":
-            meta["details"] = EXPORTERS[src.kind][1](src, tmp, meta) or {}
-    except HubError:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for path in [folder / n for n in (ckpt.CONFIG_NAME, ckpt.WEIGHTS_NAME, "eval.json", "config.yaml")] + [
+                folder.parent / "config.yaml"]:
+            if path.is_file() and not (tmp / NATIVE_DIR / path.name).exists():
+                shutil.copy2(path, tmp / NATIVE_DIR / path.name)
+        for i, (path, report) in enumerate(reports):
+            (tmp / NATIVE_DIR / REPORTS_DIR / f"{i:02d}_{Path(path).stem}.json").write_text(json.dumps(report))
+        (tmp / "best").write_text(NATIVE_DIR + "\n")
+        first = json.loads((folder / "eval.json").read_text()) if (folder / "eval.json").is_file() else (
+            reports[0][1] if reports else {})
+        meta = {"draftlab_export": 1, "kind": src.kind, "format": fmt, "repo_id": repo_id, "base_model":
+                src.base_model, "target": src.target_path, "license": license, "step": folder.name,
+                "draft_length": first.get("draft_length"), "export_dir": str(out)}
+        meta["details"] = EXPORTERS[src.kind][1](src, tmp, meta) if fmt != "draftlab" else {}
+        meta.pop("export_dir")                        # a local path, for exporters only
+        (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+        write_card(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)        # nothing half-written is left behind
         raise
-    (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
-    write_card(tmp)
     ckpt._replace(tmp, out)
     return out
 
 
 def pick_format(kind: str, fmt: str) -> str:
-    if fmt not in FORMATS:
-        raise HubError(f"unknown --format {fmt}: choose one of {', '.join(FORMATS)}")
-    if kind not in EXPORTERS:
-        if fmt in ("auto", "draftlab"):
-            return "draftlab"           # kinds without a serving format yet still export their native files
-        raise HubError(f"drafter kind '{kind}' has no {fmt} export: use --format draftlab")
-    own = EXPORTERS[kind][0]
-    if fmt in ("auto", own):
+    own = EXPORTERS.get(kind, ("draftlab",))[0]     # kinds without a serving format still export their native files
+    if fmt == "auto":
         return own
-    if fmt == "draftlab":
+    if fmt in ("draftlab", own):
         return fmt
-    raise HubError(f"--format {fmt} does not fit a '{kind}' drafter: its serving format is {own} "
-                   "(or use --format draftlab for the native checkpoint only)")
-
-
-def read_report(path) -> tuple[str, dict]:
-    """(path, report) of a `draftlab eval` report JSON, checked to be one."""
-    try:
-        report = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise HubError(f"--eval {path}: cannot read it as JSON ({type(e).__name__}): pass a report written by "
-                       "`draftlab eval --out`") from None
-    if not isinstance(report, dict) or "acceptance_length" not in report:
-        raise HubError(f"--eval {path} is not a draftlab eval report (no acceptance_length): pass a report written "
-                       "by `draftlab eval --out`")
-    return str(path), report
+    raise HubError(f"--format {fmt} does not fit a '{kind}' drafter: its serving format is {own} (or use --format "
+                   f"draftlab for the native checkpoint only; formats: {', '.join(FORMATS)})")
 
 
 def is_export(path: str | Path) -> bool:
@@ -385,8 +383,6 @@ def describe_failure(e: BaseException, repo_id: str, endpoint: str) -> str:
     status = getattr(getattr(e, "response", None), "status_code", None)
     if isinstance(e, errors.OfflineModeIsEnabled):
         return "HF_HUB_OFFLINE is set: unset it to upload"
-    if isinstance(e, errors.RevisionNotFoundError):
-        return f"revision (branch) not found in {repo_id}: check --revision"
     if isinstance(e, errors.RepositoryNotFoundError) or status == 404:
         return (f"repository {repo_id} was not found or this token cannot see it (HTTP 404): check the name and "
                 "that the token belongs to a member of its organisation")
@@ -395,8 +391,6 @@ def describe_failure(e: BaseException, repo_id: str, endpoint: str) -> str:
     if status == 403:
         return (f"this token may not write to {repo_id} (HTTP 403): use a token with write access to "
                 f"{repo_id.split('/')[0]}")
-    if status == 409:
-        return f"the Hub refused to create {repo_id} (HTTP 409 conflict): {server_message(e)}"
     if isinstance(e, errors.HfHubHTTPError) and status is not None:
         return f"the Hub answered HTTP {status} for {repo_id}: {server_message(e)}"
     if isinstance(e, ValueError) and "metadata" in str(e):
@@ -428,6 +422,8 @@ def upload(export: Path, repo_id: str, *, private: bool = False, revision: str |
     import huggingface_hub
     from huggingface_hub import HfApi, constants
 
+    from draftlab.model_card import commit_message_for
+
     endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
     retry = retry_command(export, repo_id, private, revision, commit_message)
     token = token or huggingface_hub.get_token()
@@ -440,19 +436,11 @@ def upload(export: Path, repo_id: str, *, private: bool = False, revision: str |
         if revision and revision != "main":
             api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
         info = api.upload_folder(repo_id=repo_id, folder_path=str(export), revision=revision, repo_type="model",
-                                 commit_message=commit_message or default_message(export))
+                                 commit_message=commit_message or commit_message_for(export))
     except Exception as e:
         message = describe_failure(e, repo_id, endpoint).replace(token, "***")
         raise HubError(f"{message}; the export is kept at {export}; retry: {retry}") from None
     return str(getattr(info, "commit_url", info))
-
-
-def default_message(export: Path) -> str:
-    meta = json.loads((export / MARKER).read_text()) if (export / MARKER).is_file() else {}
-    own = export / NATIVE_DIR / "eval.json"
-    tau = json.loads(own.read_text()).get("acceptance_length") if own.is_file() else None
-    return (f"draftlab {meta.get('kind', 'drafter')} ({meta.get('step', '?')}, {meta.get('format', '?')} format)"
-            + (f", tau {tau:.2f}" if isinstance(tau, (int, float)) else ""))
 
 
 def push_checkpoint(checkpoint: str | Path, repo_id: str, *, private: bool = False, revision: str | None = None,
@@ -461,21 +449,30 @@ def push_checkpoint(checkpoint: str | Path, repo_id: str, *, private: bool = Fal
                     eval_reports: list | tuple = (), license: str = "apache-2.0", token: str | None = None) -> str:
     """Export a run / step folder (or take an existing export as is) and upload it to ORG/NAME; returns the
     commit URL. The training loop calls this for `hub.push` (a run folder means its best step)."""
-    from draftlab.model_card import write_card
-
     check_repo_id(repo_id)
     if is_export(checkpoint):
         export = Path(checkpoint)
-        meta = json.loads((export / MARKER).read_text())
-        if meta.get("repo_id") != repo_id:      # the card's usage lines name the repository
-            meta["repo_id"] = repo_id
-            (export / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
-            write_card(export)
+        retarget_export(export, repo_id)
     else:
         export = export_checkpoint(checkpoint, export_dir or default_export_dir(checkpoint, repo_id), fmt=fmt,
                                    target=target, tokenizer=tokenizer, target_path=target_path,
                                    base_model=base_model, eval_reports=eval_reports, license=license, repo_id=repo_id)
     return upload(export, repo_id, private=private, revision=revision, commit_message=commit_message, token=token)
+
+
+def retarget_export(export: Path, repo_id: str) -> None:
+    """Point an existing export at `repo_id`: the card's usage lines, and a Medusa-2 config naming itself."""
+    from draftlab.model_card import write_card
+
+    meta = json.loads((export / MARKER).read_text())
+    if meta.get("repo_id") == repo_id:
+        return
+    meta["repo_id"] = repo_id
+    (export / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+    if meta.get("details", {}).get("merged_target"):
+        config = json.loads((export / "config.json").read_text())
+        (export / "config.json").write_text(json.dumps({**config, "base_model_name_or_path": repo_id}, indent=2))
+    write_card(export)
 
 
 # ----------------------------------------------------------------------------------------------------------

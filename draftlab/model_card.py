@@ -37,6 +37,32 @@ def write_card(folder: str | Path) -> Path:
     return readme
 
 
+def read_report(path) -> tuple[str, dict]:
+    """(path, report) of a `draftlab eval` report JSON, checked to be one."""
+    from draftlab.hub import HubError
+
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise HubError(f"--eval {path}: cannot read it as JSON ({type(e).__name__}): pass a report written by "
+                       "`draftlab eval --out`") from None
+    if not isinstance(report, dict) or "acceptance_length" not in report:
+        raise HubError(f"--eval {path} is not a draftlab eval report (no acceptance_length): pass a report written "
+                       "by `draftlab eval --out`")
+    return str(path), report
+
+
+def commit_message_for(export: Path) -> str:
+    """Default commit message: kind, step, format and tau."""
+    from draftlab.hub import MARKER, NATIVE_DIR
+
+    meta = json.loads((export / MARKER).read_text()) if (export / MARKER).is_file() else {}
+    own = export / NATIVE_DIR / "eval.json"
+    tau = json.loads(own.read_text()).get("acceptance_length") if own.is_file() else None
+    return (f"draftlab {meta.get('kind', 'drafter')} ({meta.get('step', '?')}, {meta.get('format', '?')} format)"
+            + (f", tau {tau:.2f}" if isinstance(tau, (int, float)) else ""))
+
+
 def collect_reports(native: Path, extra: list[Path], run: dict | None, step: str | None) -> list[tuple[str, dict]]:
     """(prompt-set label, report) pairs: the checkpoint's own eval.json first, then the extra reports."""
     out = []
@@ -157,12 +183,15 @@ def usage(meta: dict, reports) -> dict[str, str]:
                 "official EAGLE code": "```python\nfrom eagle.model.ea_model import EaModel\n\nmodel = "
                 f"EaModel.from_pretrained(base_model_path=\"{base}\", ea_model_path=\"{repo}\", use_eagle3=False)\n```"}
     if fmt_ == "speculators":
-        return {"vLLM": sh(f"vllm serve {repo}   # the speculators config names the target; vLLM loads both\n"
-                           f"# or, explicitly:\nvllm serve {base} --speculative-config "
-                           f"'{{\"method\": \"eagle3\", \"model\": \"{repo}\", \"num_speculative_tokens\": {k}}}'"),
+        vllm = sh(f"vllm serve {repo}   # the speculators config names the target; vLLM loads both\n# or, explicitly:\n"
+                  f"vllm serve {base} --speculative-config "
+                  f"'{{\"method\": \"eagle3\", \"model\": \"{repo}\", \"num_speculative_tokens\": {k}}}'")
+        if details.get("repeated_aux"):
+            vllm = (f"Not supported by vLLM for this head: its aux layer ids {details['aux_layers']} repeat a layer and "
+                    "vLLM collects each target layer once (a target with more layers gives distinct ids).")
+        return {"vLLM": vllm, "transformers": no_tf,
                 "SGLang": "Not supported by SGLang as exported: its EAGLE-3 loader expects the official EAGLE-3 "
-                          "config and weight layout, not the speculators format.",
-                "transformers": no_tf}
+                          "config and weight layout, not the speculators format."}
     if fmt_ == "medusa":
         shared = ("" if details.get("layers", 1) == 1 else " The official Medusa code shares one ResBlock across "
                   "a head's layers, so these multi-layer heads load correctly only in TGI.")
@@ -179,7 +208,10 @@ def usage(meta: dict, reports) -> dict[str, str]:
                                    "transformers' `generate`.")
         return out
     if fmt_ == "hf":
-        return {"transformers": "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+        head_note = ("The acceptance head (acceptance_head/) sets the draft length adaptively (SpecDec++) only in "
+                     "draftlab (`draftlab eval --checkpoint`); the engines below draft a fixed number of tokens with "
+                     "the draft model.\n\n") if details.get("acceptance_head") else ""
+        return {"transformers": head_note + "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
                 f"tokenizer = AutoTokenizer.from_pretrained(\"{base}\")\n"
                 f"target = AutoModelForCausalLM.from_pretrained(\"{base}\")\n"
                 f"draft = AutoModelForCausalLM.from_pretrained(\"{repo}\")\n"

@@ -113,7 +113,7 @@ def test_eagle3_speculators_export(tiny_tokenizer, tmp_path, monkeypatch):
 
     Eagle3Head = eagle3_class()
     monkeypatch.setitem(DRAFTERS, "eagle3", Eagle3Head)
-    model = build_tiny_llama(tiny_tokenizer, layers=6).requires_grad_(False)
+    model = build_tiny_llama(tiny_tokenizer, layers=8).requires_grad_(False)
     vocab = list(range(40, 240, 2))
     torch.manual_seed(0)
     head = Eagle3Head(model, draft_vocab_size=len(vocab), draft_vocab=vocab)
@@ -152,7 +152,7 @@ def test_eagle3_export_loads_in_speculators(tiny_tokenizer, tmp_path, monkeypatc
 
     Eagle3Head = eagle3_class()
     monkeypatch.setitem(DRAFTERS, "eagle3", Eagle3Head)
-    model = build_tiny_llama(tiny_tokenizer, layers=6).requires_grad_(False)
+    model = build_tiny_llama(tiny_tokenizer, layers=8).requires_grad_(False)
     head = Eagle3Head(model, draft_vocab_size=100, draft_vocab=list(range(50, 250, 2))).eval()
     out = hub.export_checkpoint(make_run(tmp_path / "run", head), tmp_path / "export", target=model,
                                 tokenizer=tiny_tokenizer)
@@ -243,6 +243,30 @@ def test_small_lm_export_is_an_assistant_model(tiny_target, tmp_path, monkeypatc
     front, body = card(out)
     assert front["library_name"] == "transformers" and "assistant_model=draft" in body
     assert (out / "tokenizer.json").is_file() or (out / "tokenizer_config.json").is_file()
+
+
+def test_acceptance_head_exports_beside_its_drafter(tiny_target, tmp_path, monkeypatch):
+    from draftlab.drafters.acceptance import AcceptanceHead
+    from draftlab.drafters.small_lm import SmallLM
+
+    monkeypatch.setitem(DRAFTERS, "small_lm", SmallLM)
+    monkeypatch.setitem(DRAFTERS, "acceptance", AcceptanceHead)
+    model, tok = tiny_target
+    torch.manual_seed(0)
+    save_drafter(SmallLM.from_target(model, SimpleNamespace(num_layers=1), tok), tmp_path / "base" / "step_1")
+    head = AcceptanceHead.from_target(model, SimpleNamespace(base=str(tmp_path / "base"), acceptance_layers=2))
+    out = hub.export_checkpoint(make_run(tmp_path / "run", head), tmp_path / "export", target=model, tokenizer=tok)
+    assert (out / "config.json").is_file() and (out / "draftlab" / "base" / "drafter_config.json").is_file()
+    weights = load_file(str(out / "acceptance_head" / "model.safetensors"))
+    assert set(weights) == {"blocks.0.linear.weight", "blocks.0.linear.bias", "blocks.1.linear.weight",
+                            "blocks.1.linear.bias", "out.weight", "out.bias"}
+    assert json.loads((out / "acceptance_head" / "config.json").read_text())["acceptance_layers"] == 2
+    (tmp_path / "base").rename(tmp_path / "base_moved")          # the export no longer needs the original base
+    loaded = load_drafter(out, model).eval()
+    states = torch.randn(5, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(states), head(states))
+    assert "adaptively" in card(out)[1]
 
 
 def test_format_must_fit_the_kind(eagle_run, tiny_target, tmp_path):
