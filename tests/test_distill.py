@@ -14,7 +14,7 @@ MODES = ["offline_blackbox", "offline_whitebox", "online_whitebox", "online_blac
 
 def _drafter(target, tok, seed: int = 0, **kw) -> SmallLM:
     torch.manual_seed(seed)
-    return SmallLM.from_target(target, SimpleNamespace(num_layers=1, rollout_tokens=12, **kw), tok)
+    return SmallLM.from_target(target, SimpleNamespace(**{"num_layers": 1, "rollout_tokens": 12, **kw}), tok)
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +93,15 @@ def test_full_topk_store_equals_the_online_teacher(tiny_target, answered):
             b, m = online.loss(answered)
         assert m["on_policy"] == 0.0
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_student_ratio_mixes_on_policy_and_dataset_steps(tiny_target, answered):
+    model, tok = tiny_target
+    drafter = _drafter(model, tok, distill_mode="online_whitebox", student_ratio=0.5, rollout_tokens=4)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        flags = [drafter.loss(answered)[1]["on_policy"] for _ in range(12)]
+    assert 0 < sum(flags) < len(flags), flags
 
 
 def test_offline_whitebox_without_a_store_says_how_to_fix(tiny_target, answered):
