@@ -316,4 +316,5 @@ def test_recipe_trains_and_evaluates_in_the_loop(tiny_target, tiny_target_dir, t
     assert report["lossless"] and report["adaptive"]["threshold"] == 0.3
     assert 1 <= report["mean_draft_length"] <= 4 and report["wasted_draft_tokens"] >= 0
     assert 0 <= report["calibration"]["ece"] <= 1
+    assert (out / "step_4" / "calibration.png").stat().st_size > 0          # train.py's calibration hook
     assert isinstance(ckpt.load_drafter(out, tiny_target[0]), AcceptanceHead)
