@@ -214,7 +214,7 @@ class AdaptiveProposer(SmallLMProposer):
         drafter's last hidden state [d] there, which the head reads."""
         device = self.model.device
         out = self.model(input_ids=torch.tensor([new], device=device), past_key_values=self.cache, use_cache=True,
-                         output_hidden_states=True)
+                         logits_to_keep=1, output_hidden_states=True)
         self.cached.extend(new)
         self.hidden = out.hidden_states[-1][0, -1]
         return out.logits[0, -1].float()
