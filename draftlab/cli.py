@@ -62,6 +62,14 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", choices=["1", "2", "both"], default="1",
                    help="MT-bench style rows with `turns`: score the first turn, the second turn (a real two-turn "
                         "conversation whose first answer is the target's own greedy answer), or both")
+    p.add_argument("--adaptive-threshold", type=float, default=None,
+                   help="acceptance heads: stop a chain once 1 - prod(predicted acceptance) exceeds this "
+                        "(1 = never: fixed k; default: the checkpoint's drafter.adaptive_threshold)")
+    p.add_argument("--min-draft", type=int, default=None,
+                   help="acceptance heads: draft at least this many tokens per round (default: the checkpoint's)")
+    p.add_argument("--fixed-k", default="",
+                   help="acceptance heads: comma-separated k, e.g. 2,4,6: also run fixed-k chains, reported beside "
+                        "the adaptive run under fixed_k")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     return p
@@ -105,8 +113,14 @@ def cmd_eval(argv: list[str]) -> None:
         raise ConfigError("--proposer prompt_lookup needs --target PATH (the model to speculate for)")
     prompts = load_prompts(args.prompts, limit=args.num_prompts)  # bad prompt files fail before the model loads
     target, tokenizer = load_target(args.target or checkpoint_target(folder), args.dtype, args.device)
+    adaptive = {k: v for k, v in (("adaptive_threshold", args.adaptive_threshold), ("min_draft", args.min_draft))
+                if v is not None}
     if folder is not None:
-        proposer = load_drafter(folder, target).eval().proposer(target)
+        drafter = load_drafter(folder, target).eval()
+        if (adaptive or args.fixed_k) and drafter.kind != "acceptance":
+            raise ConfigError("--adaptive-threshold, --min-draft and --fixed-k need an acceptance-head checkpoint "
+                              f"(drafter kind 'acceptance'); {folder} is a '{drafter.kind}' drafter")
+        proposer = drafter.proposer(target, **adaptive)
         label = str(folder)
     else:
         from draftlab.proposers import PromptLookupProposer
@@ -120,8 +134,19 @@ def cmd_eval(argv: list[str]) -> None:
     prompt_ids = [encode_prompt(tokenizer, messages) for messages in conversations]
     baseline = run_baseline(target, prompt_ids, max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
                             sampling=sampling, seed=args.seed)
-    report = evaluate(target, proposer, prompt_ids, spec=spec, sampling=sampling, max_new_tokens=args.max_new_tokens,
-                      eos_token_ids=eos, baseline=baseline, categories=categories, seed=args.seed)
+    if args.fixed_k:  # adaptive and fixed-k chains side by side, on one baseline
+        from functools import partial
+
+        from draftlab.evaluator import evaluate_adaptive
+
+        report = evaluate_adaptive(target, partial(drafter.proposer, target), prompt_ids, spec=spec, sampling=sampling,
+                                   max_new_tokens=args.max_new_tokens, baseline=baseline, eos_token_ids=eos,
+                                   fixed_lengths=[int(k) for k in args.fixed_k.split(",")], categories=categories,
+                                   seed=args.seed, **adaptive)
+    else:
+        report = evaluate(target, proposer, prompt_ids, spec=spec, sampling=sampling,
+                          max_new_tokens=args.max_new_tokens, eos_token_ids=eos, baseline=baseline,
+                          categories=categories, seed=args.seed)
     report["drafter"] = label
     report["prompts"] = args.prompts
     report["turns"] = args.turns

@@ -61,7 +61,7 @@ class DataConfig:
 @dataclass
 class DrafterConfig:
     kind: str = "eagle"
-    """Drafter kind: one of draftlab.drafters.DRAFTERS (eagle, ...)."""
+    """Drafter kind: one of draftlab.drafters.DRAFTERS (eagle, eagle3, medusa, medusa2, small_lm, acceptance)."""
     num_layers: int = 1
     """Decoder layers in the head (eagle)."""
     feature_noise: float = 0.2
@@ -98,6 +98,20 @@ class DrafterConfig:
     """Medusa-2: dropout on the LoRA path."""
     kl_weight: float = 1.0
     """Medusa-2: weight of KL(original target || adapted target), which keeps the served model close to the original."""
+    base: str = ""
+    """acceptance: the frozen small_lm drafter the head judges (run folder = its best step, or a step_N folder)."""
+    acceptance_layers: int = 3
+    """acceptance: residual blocks before the Linear(d -> 1) acceptance logit (SpecDec++: 3)."""
+    mix_ratio: float = 0.15
+    """acceptance: share of target tokens (unlabelled) mixed into the head's draft-token input sequence."""
+    reject_weight: float = 6.0
+    """acceptance: BCE weight of the rejected class (SpecDec++: 6, to balance the rarer rejections)."""
+    acceptance_label: str = "sampled"
+    """acceptance: sampled (Y ~ q, label min(1, p/q), for sampled verification) | greedy (Y = argmax q, label 1[argmax p = Y])."""
+    adaptive_threshold: float = 0.3
+    """acceptance: stop drafting when 1 - prod(predicted acceptance) exceeds this (1 = never: fixed-k)."""
+    min_draft: int = 1
+    """acceptance: fewest draft tokens per round before adaptive stopping may stop (at least 1)."""
 
 
 @dataclass
