@@ -341,7 +341,9 @@ def checkpoint_step(cfg, out_dir: Path, step: int, drafter, model, optimizer, sc
     """Evaluate (main process, when given an evaluator), then write step_N atomically, update `best`, prune, plot.
     Every process calls it: the RNG streams of all ranks (and DeepSpeed's shards) go into the folder."""
     folder = out_dir / f"step_{step}"
-    extra = {"eval.json": evaluate_step(cfg, out_dir, step, drafter, state, evaluator, accelerator)} if evaluator else {}
+    extra = {}
+    if evaluator is not None:
+        extra["eval.json"] = evaluate_step(cfg, out_dir, step, drafter, state, evaluator, accelerator)
     rngs = runtime.gather_rng_states(accelerator)  # after the evaluation, which may draw from the main stream
     weights = runtime.gather_weights(accelerator, model, drafter)  # None: take them from the drafter itself
     if accelerator.is_main_process:
@@ -380,18 +382,15 @@ def evaluate_step(cfg, out_dir: Path, step: int, drafter, state: dict, evaluator
                              "per_position_acceptance": report["per_position_acceptance"]})
     if state["best_tau"] is None or tau >= state["best_tau"]:
         state["best_tau"], state["best_step"] = tau, step
+    per_sample = report.get("acceptance_length_per_sample") or []
     runtime.log_metrics(out_dir, {"step": step, "eval/acceptance_length": tau, "eval/speedup": report.get("speedup"),
                                   "eval/per_position_acceptance": report["per_position_acceptance"],
-                                  "eval/acceptance_length_per_sample_mean": _mean(report.get("acceptance_length_per_sample")),
+                                  "eval/acceptance_length_per_sample_mean": sum(per_sample) / max(len(per_sample), 1),
                                   "eval/lossless": report.get("lossless"), "eval/seconds": report["eval_seconds"]},
                         accelerator)
     tqdm.write(f"step {step}: tau {tau:.3f} (k={cfg.eval.draft_length}, {cfg.eval.tree}), "
                f"speedup {report.get('speedup') or float('nan'):.2f}x, lossless {report.get('lossless')}")
     return json.dumps(report, indent=2)
-
-
-def _mean(values) -> float | None:
-    return sum(values) / len(values) if values else None
 
 
 def prune(out_dir: Path, keep_last: int, best_step) -> None:

@@ -67,7 +67,8 @@ def args(target_dir, data, out_dir, *extra):
     # feature noise on: the resumed run must also get the RNG stream back, not only weights and data position
     return ["recipe=eagle_head", f"target.path={target_dir}", f"data.train={data}", f"out_dir={out_dir}",
             "eval.every=0", "tracking=jsonl", "train.keep_last=0", "data.max_length=96", "drafter.feature_noise=0.2",
-            "train.batch_size=4", "train.grad_accum=1", "train.lr=2e-3", "train.warmup_steps=2", "train.schedule=cosine",
+            "train.batch_size=4", "train.grad_accum=1", "train.lr=2e-3", "train.warmup_steps=2",
+            "train.schedule=cosine",
             "train.log_every=1", "train.max_steps=6", "train.save_every=2", "train.num_threads=1", *extra]
 
 

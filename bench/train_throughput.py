@@ -1,0 +1,179 @@
+"""Training throughput per drafter kind: real tokens/s (padding excluded), padding share and peak memory, with
+and without length-bucketed batches (`train.bucketed`).
+
+    python bench/train_throughput.py                                  # tiny random target (a smoke run)
+    python bench/train_throughput.py --target PATH --steps 6          # a real target (HF folder, .gguf, Hub id)
+    python bench/train_throughput.py --kinds eagle,medusa --set eagle3:drafter.ttt_steps=3
+
+Every (kind, bucketing) pair runs `draftlab.train.main` in a fresh process, so its peak memory is its own, for
+--steps optimizer steps on --data (eval off); the first --warmup steps are not counted. Each kind starts from
+the recipe that names it (recipes/*.yaml). Prints a table, writes bench/results/train_throughput.json.
+Numbers come from the run's metrics.jsonl, i.e. what a real training run reports.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_DATA = ROOT.parent / "shared" / "bench" / "smollm2_answers.jsonl"
+# settings a kind needs on a small target / data set (override or extend with --set KIND:key=value)
+KIND_OVERRIDES = {"eagle3": ["drafter.draft_vocab_size=0"]}  # full vocabulary: bench data is too small to reduce it
+
+
+def recipe_for(kind: str) -> str:
+    """The first shipped recipe whose drafter is `kind` and that trains online (no feature store)."""
+    from omegaconf import OmegaConf
+
+    from draftlab.config import available_recipes, load_config
+
+    for name in available_recipes():
+        try:
+            cfg = load_config([f"recipe={name}", "target.path=x", "data.train=x", "eval.every=0"])
+        except Exception:
+            continue
+        if cfg.drafter.kind == kind and not OmegaConf.select(cfg, "data.store") and not cfg.data.regenerate_from:
+            return name
+    return "eagle_head"  # plus drafter.kind=KIND below
+
+
+def tiny_target(folder: Path) -> str:
+    """The tests' tiny random Llama (2 layers, hidden 64, ~320-token BPE, ChatML), saved once."""
+    if not (folder / "config.json").is_file():
+        sys.path.insert(0, str(ROOT / "tests"))
+        from conftest import build_tiny_llama, build_tokenizer
+
+        tok = build_tokenizer()
+        build_tiny_llama(tok).save_pretrained(folder)
+        tok.save_pretrained(folder)
+    return str(folder)
+
+
+def child(spec_file: str) -> int:
+    """Run one training job: overrides from the spec, plus train options config.py may not declare yet."""
+    from omegaconf import OmegaConf
+
+    from draftlab.config import load_config
+    from draftlab.train import main
+
+    spec = json.loads(Path(spec_file).read_text())
+    cfg = load_config(spec["overrides"])
+    options = spec.get("train_options", {})
+    if not all(name in cfg.train for name in options):
+        cfg = OmegaConf.create(OmegaConf.to_container(cfg))
+    for name, value in options.items():
+        cfg.train[name] = value
+    main(cfg)
+    return 0
+
+
+def measure(kind: str, bucketed: bool, args, target: str, work: Path) -> dict:
+    out = work / f"{kind}_{'bucketed' if bucketed else 'plain'}"
+    recipe = recipe_for(kind)
+    overrides = [f"recipe={recipe}", f"drafter.kind={kind}", f"target.path={target}", f"data.train={args.data}",
+                 f"out_dir={out}", "eval.every=0", "tracking=jsonl", f"train.max_steps={args.steps}",
+                 "train.log_every=1", f"train.batch_size={args.batch_size}", "train.grad_accum=1",
+                 f"data.max_length={args.max_length}", f"data.limit={args.limit}", "train.save_every=0",
+                 f"train.num_threads={args.threads}", "train.warmup_steps=0", *KIND_OVERRIDES.get(kind, []),
+                 *[s.split(":", 1)[1] for s in args.set if s.split(":", 1)[0] == kind]]
+    spec = work / f"{out.name}.json"
+    spec.write_text(json.dumps({"overrides": overrides, "train_options": {"bucketed": bucketed}}))
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, __file__, "--child", str(spec)], capture_output=True, text=True,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return {"kind": kind, "bucketed": bucketed, "recipe": recipe, "error": tail}
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "train_tokens_per_second" in r]
+    counted = rows[args.warmup:] or rows
+    result = {"kind": kind, "bucketed": bucketed, "recipe": recipe, "steps": len(rows), "counted_steps": len(counted),
+              "tokens_per_second": statistics.median(r["train_tokens_per_second"] for r in counted),
+              "padding_share": statistics.mean(r["padding_share"] for r in counted),
+              "peak_rss_mb": max(r.get("peak_rss_mb", 0.0) for r in rows), "wall_seconds": wall}
+    if any("peak_gpu_mem_mb" in r for r in rows):
+        result["peak_gpu_mem_mb"] = max(r.get("peak_gpu_mem_mb", 0.0) for r in rows)
+    return result
+
+
+def table(results: list[dict]) -> str:
+    lines = [f"{'kind':<9} {'batches':<9} {'tokens/s':>10} {'padding':>8} {'peak RSS MB':>12} {'vs plain':>9}",
+             "-" * 62]
+    plain = {r["kind"]: r for r in results if not r["bucketed"] and "error" not in r}
+    for r in results:
+        name = "bucketed" if r["bucketed"] else "plain"
+        if "error" in r:
+            lines.append(f"{r['kind']:<9} {name:<9} failed: {r['error'][:60]}")
+            continue
+        base = plain.get(r["kind"])
+        ratio = f"{r['tokens_per_second'] / base['tokens_per_second']:.2f}x" if base else ""
+        lines.append(f"{r['kind']:<9} {name:<9} {r['tokens_per_second']:>10.0f} {r['padding_share']:>8.1%} "
+                     f"{r['peak_rss_mb']:>12.0f} {ratio:>9}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from draftlab.drafters import DRAFTERS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="", help="target path (default: the tests' tiny random Llama)")
+    ap.add_argument("--data", default=str(DEFAULT_DATA), help="training conversations (JSONL)")
+    ap.add_argument("--kinds", default=",".join(DRAFTERS), help=f"comma-separated (default: {','.join(DRAFTERS)})")
+    ap.add_argument("--steps", type=int, default=8, help="optimizer steps per measurement")
+    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--max-length", type=int, default=1024,
+                    help="tokens per conversation (the tiny target reads at most 1024)")
+    ap.add_argument("--limit", type=int, default=512, help="conversations read from --data")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    ap.add_argument("--set", action="append", default=[], metavar="KIND:KEY=VALUE", help="extra override for a kind")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "train_throughput.json"))
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return child(args.child)
+
+    kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in DRAFTERS]
+    if unknown:
+        ap.error(f"unknown drafter kind(s) {', '.join(unknown)}: choose from {', '.join(DRAFTERS)}")
+    if not Path(args.data).is_file():
+        ap.error(f"--data {args.data} does not exist")
+    load_avg = os.getloadavg()[0]
+    if load_avg > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {load_avg:.1f} on {os.cpu_count()} cores: timings will be noisy", flush=True)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="draftlab-throughput-") as tmp:
+        work = Path(tmp)
+        target = args.target or tiny_target(work / "tiny_target")
+        for kind in kinds:
+            for bucketed in (False, True):  # adjacent, so a change in machine load hits both alike
+                r = measure(kind, bucketed, args, target, work)
+                print(f"  {kind:<8} {'bucketed' if bucketed else 'plain':<8} "
+                      + (f"{r['tokens_per_second']:.0f} tokens/s" if "error" not in r else f"failed: {r['error']}"),
+                      flush=True)
+                results.append(r)
+    print(table(results))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    meta = {"target": args.target or "tiny random Llama (tests/conftest.py)", "data": args.data, "steps": args.steps,
+            "warmup": args.warmup, "batch_size": args.batch_size, "max_length": args.max_length, "limit": args.limit,
+            "threads": args.threads, "load_average_at_start": load_avg, "cpu_count": os.cpu_count(),
+            "machine": platform.platform(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    print(f"wrote {args.out}")
+    return 0 if all("error" not in r for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
