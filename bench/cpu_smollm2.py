@@ -298,13 +298,17 @@ def train_kind(args, label: str, kind: str, recipe: str, overrides: list[str], s
             raise RuntimeError(f"training {label} failed (exit code {proc.returncode}); its log is above")
     child = json.loads(child_file.read_text())
     eval_seconds = in_loop_eval_seconds(out_dir)
-    # tokens a step counts (attention mask), estimated: conversations seen x mean tokens per conversation
-    tokens = args.steps * args.batch_size * stats["mean_tokens_per_conversation"]
     train_seconds = child["seconds"] - eval_seconds
+    steps_tokens, steps_seconds = loop_throughput(out_dir)
+    if steps_tokens:   # the loop's own count: real tokens over the time spent in training steps
+        tokens, tps, source = steps_tokens, steps_tokens / max(steps_seconds, 1e-9), "metrics.jsonl"
+    else:              # estimate: conversations seen x mean tokens per conversation, over the wall time
+        tokens = args.steps * args.batch_size * stats["mean_tokens_per_conversation"]
+        tps, source = (tokens / train_seconds if train_seconds > 0 else None), "estimate"
     result = {"kind": kind, "recipe": recipe, "out_dir": str(out_dir), "checkpoint": str(final),
               "overrides": overrides, "resumed": resumed, "train_wall_seconds": child["seconds"],
               "in_loop_eval_seconds": eval_seconds, "train_seconds": train_seconds, "train_tokens": tokens,
-              "train_tokens_per_second": tokens / train_seconds if train_seconds > 0 else None,
+              "train_tokens_per_second": tps, "train_tokens_source": source,
               "in_loop_eval_share": eval_seconds / child["seconds"] if eval_seconds else None,
               "peak_rss_mb": child["peak_rss_mb"], "load_average_after": child.get("load_average_after")}
     result_file.write_text(json.dumps(result, indent=2))
@@ -313,6 +317,18 @@ def train_kind(args, label: str, kind: str, recipe: str, overrides: list[str], s
 
 def overrides_value(overrides: list[str], key: str) -> str:
     return [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == key][-1]
+
+
+def loop_throughput(out_dir: Path) -> tuple[float, float]:
+    """(real tokens, seconds in training steps) summed over metrics.jsonl's windows; (0, 0) when not logged."""
+    tokens = seconds = 0.0
+    metrics = out_dir / "metrics.jsonl"
+    for line in metrics.read_text().splitlines() if metrics.is_file() else []:
+        row = json.loads(line)
+        if "train_tokens" in row and "train_seconds" in row:
+            tokens += row["train_tokens"]
+            seconds += row["train_seconds"]
+    return tokens, seconds
 
 
 def in_loop_eval_seconds(out_dir: Path) -> float:

@@ -105,9 +105,11 @@ def write_markdown(result: dict, path: str | Path) -> str:
     if h.get("failures"):
         lines += ["Failed kinds: " + "; ".join(f"{k}: {v}" for k, v in h["failures"].items()), ""]
     lines += ["## Results", ""] + results_table(rows)
-    lines += ["", "train s excludes in-loop evaluation; train tok/s = conversations seen x mean tokens per "
-              "conversation / train s; peak RSS = the training process's (prompt lookup: the evaluation "
-              "process's).", "", "## Goals", "", "| goal | value | threshold | status |", "|---|---|---|---|"]
+    lines += ["", "train s: the training process's wall time without in-loop evaluation; train tok/s: real tokens "
+              "over the time inside training steps (the loop's metrics.jsonl), or, where the loop does not log them, "
+              "conversations seen x mean tokens per conversation over train s (`train_tokens_source` in the JSON); "
+              "peak RSS: the training process's (prompt lookup: the evaluation process's).",
+              "", "## Goals", "", "| goal | value | threshold | status |", "|---|---|---|---|"]
     for g in h["goals"]:
         status = "not measured" if g["met"] is None else ("met" if g["met"] else "MISSED")
         lines.append(f"| {g['goal']} | {_fmt(g['value'], 3)} | {g['threshold']} | {status} |")
