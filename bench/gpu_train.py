@@ -92,10 +92,12 @@ def launch(config: str, overrides: list[str], options: dict, work: Path, name: s
 
 
 def summarise(out: Path, warmup: int) -> dict:
+    from bench.train_throughput import tokens_per_second
+
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "train_tokens_per_second" in r]
     counted = rows[warmup:] or rows
-    return {"steps": len(rows), "tokens_per_second": statistics.median(r["train_tokens_per_second"] for r in counted),
+    return {"steps": len(rows), "tokens_per_second": tokens_per_second(counted),
             "padding_share": statistics.mean(r["padding_share"] for r in counted),
             "peak_gpu_mem_mb": max(r.get("peak_gpu_mem_mb", 0.0) for r in rows),
             "peak_rss_mb": max(r.get("peak_rss_mb", 0.0) for r in rows), "final_loss": rows[-1]["loss"]}

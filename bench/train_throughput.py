@@ -6,9 +6,10 @@ and without length-bucketed batches (`train.bucketed`).
     python bench/train_throughput.py --kinds eagle,medusa --set eagle3:drafter.ttt_steps=3
 
 Every (kind, bucketing) pair runs `draftlab.train.main` in a fresh process, so its peak memory is its own, for
---steps optimizer steps on --data (eval off); the first --warmup steps are not counted. Each kind starts from
-the recipe that names it (recipes/*.yaml). Prints a table, writes bench/results/train_throughput.json.
-Numbers come from the run's metrics.jsonl, i.e. what a real training run reports.
+--steps optimizer steps on --data (eval off). The first --warmup steps are not counted; tokens/s is the real
+(non-padding) tokens of the other steps over their training seconds. Each kind starts from the recipe that
+names it (recipes/*.yaml). Prints a table, writes bench/results/train_throughput.json. The numbers come from the
+run's metrics.jsonl, i.e. what a real training run reports.
 """
 from __future__ import annotations
 
@@ -99,7 +100,7 @@ def measure(kind: str, bucketed: bool, args, target: str, work: Path) -> dict:
     rows = [r for r in rows if "train_tokens_per_second" in r]
     counted = rows[args.warmup:] or rows
     result = {"kind": kind, "bucketed": bucketed, "recipe": recipe, "steps": len(rows), "counted_steps": len(counted),
-              "tokens_per_second": statistics.median(r["train_tokens_per_second"] for r in counted),
+              "tokens_per_second": tokens_per_second(counted), "tokens_per_cpu_second": tokens_per_cpu_second(counted),
               "padding_share": statistics.mean(r["padding_share"] for r in counted),
               "peak_rss_mb": max(r.get("peak_rss_mb", 0.0) for r in rows), "wall_seconds": wall}
     if any("peak_gpu_mem_mb" in r for r in rows):
@@ -107,19 +108,36 @@ def measure(kind: str, bucketed: bool, args, target: str, work: Path) -> dict:
     return result
 
 
+def tokens_per_second(rows: list[dict]) -> float:
+    """Real tokens over training seconds of the counted steps (not a mean of per-step rates: a step of short
+    rows would weigh as much as a step of long ones)."""
+    if all("train_tokens" in r for r in rows):
+        return sum(r["train_tokens"] for r in rows) / max(sum(r["train_seconds"] for r in rows), 1e-9)
+    return statistics.median(r["train_tokens_per_second"] for r in rows)
+
+
+def tokens_per_cpu_second(rows: list[dict]) -> float | None:
+    """Real tokens over the process's CPU seconds in those steps: what the work costs, whatever else runs on
+    the machine (wall-clock rates on a shared machine mostly measure the other processes)."""
+    if not all("train_cpu_seconds" in r for r in rows):
+        return None
+    return sum(r["train_tokens"] for r in rows) / max(sum(r["train_cpu_seconds"] for r in rows), 1e-9)
+
+
 def table(results: list[dict]) -> str:
-    lines = [f"{'kind':<9} {'batches':<9} {'tokens/s':>10} {'padding':>8} {'peak RSS MB':>12} {'vs plain':>9}",
-             "-" * 62]
+    lines = [f"{'kind':<9} {'batches':<9} {'tokens/s':>9} {'tok/CPU-s':>10} {'padding':>8} {'peak RSS MB':>12} "
+             f"{'vs plain (CPU)':>15}", "-" * 78]
     plain = {r["kind"]: r for r in results if not r["bucketed"] and "error" not in r}
     for r in results:
         name = "bucketed" if r["bucketed"] else "plain"
         if "error" in r:
             lines.append(f"{r['kind']:<9} {name:<9} failed: {r['error'][:60]}")
             continue
-        base = plain.get(r["kind"])
-        ratio = f"{r['tokens_per_second'] / base['tokens_per_second']:.2f}x" if base else ""
-        lines.append(f"{r['kind']:<9} {name:<9} {r['tokens_per_second']:>10.0f} {r['padding_share']:>8.1%} "
-                     f"{r['peak_rss_mb']:>12.0f} {ratio:>9}")
+        base, cpu = plain.get(r["kind"]), r.get("tokens_per_cpu_second")
+        base_cpu = base.get("tokens_per_cpu_second") if base else None
+        ratio = f"{cpu / base_cpu:.2f}x" if cpu and base_cpu else ""
+        lines.append(f"{r['kind']:<9} {name:<9} {r['tokens_per_second']:>9.0f} {cpu or float('nan'):>10.0f} "
+                     f"{r['padding_share']:>8.1%} {r['peak_rss_mb']:>12.0f} {ratio:>15}")
     return "\n".join(lines)
 
 
@@ -130,12 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="", help="target path (default: the tests' tiny random Llama)")
     ap.add_argument("--data", default=str(DEFAULT_DATA), help="training conversations (JSONL)")
     ap.add_argument("--kinds", default=",".join(DRAFTERS), help=f"comma-separated (default: {','.join(DRAFTERS)})")
-    ap.add_argument("--steps", type=int, default=8, help="optimizer steps per measurement")
+    ap.add_argument("--steps", type=int, default=16, help="optimizer steps per measurement")
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--max-length", type=int, default=1024,
                     help="tokens per conversation (the tiny target reads at most 1024)")
-    ap.add_argument("--limit", type=int, default=512, help="conversations read from --data")
+    ap.add_argument("--limit", type=int, default=128, help="conversations read from --data")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--set", action="append", default=[], metavar="KIND:KEY=VALUE", help="extra override for a kind")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "train_throughput.json"))
@@ -160,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         for kind in kinds:
             for bucketed in (False, True):  # adjacent, so a change in machine load hits both alike
                 r = measure(kind, bucketed, args, target, work)
-                print(f"  {kind:<8} {'bucketed' if bucketed else 'plain':<8} "
-                      + (f"{r['tokens_per_second']:.0f} tokens/s" if "error" not in r else f"failed: {r['error']}"),
-                      flush=True)
+                line = (f"{r['tokens_per_second']:.0f} tokens/s, {r['tokens_per_cpu_second'] or 0:.0f} per CPU-second"
+                        if "error" not in r else f"failed: {r['error']}")
+                print(f"  {kind:<8} {'bucketed' if bucketed else 'plain':<8} {line}", flush=True)
                 results.append(r)
     print(table(results))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

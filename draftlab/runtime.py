@@ -162,8 +162,9 @@ def step_token_counts(batches: list[dict], accelerator) -> dict[str, float]:
     `loss` counts tokens with loss_mask = 1, the tokens every drafter loss is normalised by (its per-token mean
     is taken over these, up to the shift each drafter applies); `real` counts non-padding tokens; `slots` counts
     every position of the padded batches (real + padding). One all-reduce per step."""
+    # float64: token counts of large global batches stay exact (float32 is exact only up to 2**24)
     local = torch.tensor([[float(b["loss_mask"].sum()), float(b["attention_mask"].sum()), float(b["input_ids"].numel())]
-                          for b in batches]).sum(0).to(accelerator.device)
+                          for b in batches], dtype=torch.float64).sum(0).to(accelerator.device)
     total = accelerator.reduce(local, reduction="sum") if accelerator.num_processes > 1 else local
     loss, real, slots = total.tolist()
     return {"loss": loss, "real": real, "slots": slots}
@@ -267,22 +268,25 @@ def peak_memory_mb(device) -> dict[str, float]:
 
 class Throughput:
     """Training tokens/s over a logging window: real tokens (padding excluded) of all processes divided by
-    the time spent in training steps (evaluation and checkpoint writing are not counted)."""
+    the time spent in training steps (evaluation and checkpoint writing are not counted). The CPU time of this
+    process is kept too: on a shared machine, tokens per CPU-second still compares runs when wall time does not."""
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
-        self.real = self.slots = self.seconds = 0.0
+        self.real = self.slots = self.seconds = self.cpu_seconds = 0.0
 
-    def add(self, counts: dict[str, float], seconds: float) -> None:
+    def add(self, counts: dict[str, float], seconds: float, cpu_seconds: float = 0.0) -> None:
         self.real += counts["real"]
         self.slots += counts["slots"]
         self.seconds += seconds
+        self.cpu_seconds += cpu_seconds
 
     def row(self) -> dict[str, float]:
         return {"train_tokens_per_second": self.real / max(self.seconds, 1e-9),
-                "padding_share": 1.0 - self.real / max(self.slots, 1.0)}
+                "padding_share": 1.0 - self.real / max(self.slots, 1.0),
+                "train_tokens": self.real, "train_seconds": self.seconds, "train_cpu_seconds": self.cpu_seconds}
 
 
 # ----------------------------------------------------------------------------------------------------------

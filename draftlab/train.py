@@ -120,7 +120,7 @@ def main(cfg) -> dict:
                     dynamic_ncols=True)
     speed = runtime.Throughput()
     while state["step"] < cfg.train.max_steps:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         model.train()
         micro_batches = [batches.next() for _ in range(cfg.train.grad_accum)]
         # the step's valid tokens on all processes, known before the first backward (see runtime.loss_weight)
@@ -153,7 +153,7 @@ def main(cfg) -> dict:
         state["step"] += 1
         state["micro_step"] = batches.micro_step
         step = state["step"]
-        speed.add(counts, time.perf_counter() - t0)
+        speed.add(counts, time.perf_counter() - t0, time.process_time() - cpu0)
 
         progress.update(1)
         if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:

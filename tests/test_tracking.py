@@ -70,7 +70,8 @@ def test_metrics_jsonl_has_training_and_throughput_rows(jsonl_run):
     assert [r["step"] for r in train_rows] == [1, 2, 3, 4]
     for r in train_rows:
         assert r["world_size"] == 1 and r["lr"] > 0
-        assert r["train_tokens_per_second"] > 0
+        assert r["train_tokens_per_second"] > 0 and r["train_tokens"] > 0
+        assert r["train_seconds"] > 0 and r["train_cpu_seconds"] >= 0
         assert 0.0 <= r["padding_share"] < 1.0
         assert r["peak_rss_mb"] > 0
     assert not (jsonl_run / "tensorboard").exists() and not (jsonl_run / "wandb").exists()
