@@ -36,9 +36,9 @@ from draftlab.config import ConfigError
 MODES = ("offline_blackbox", "offline_whitebox", "online_whitebox", "online_blackbox")
 _DEFAULTS = {"num_layers": 1, "hidden_size": 0, "num_attention_heads": 0, "num_key_value_heads": 0,
              "intermediate_size": 0, "share_embeddings": True, "train_shared_embeddings": False, "init_from": "",
-             "lora_r": 0, "lora_alpha": 0, "distill_mode": "offline_blackbox", "distill_loss": "fkl",
-             "distill_temperature": 1.0, "jsd_beta": 0.5, "student_ratio": 0.5, "rollout_tokens": 64,
-             "teacher_topk": 20}
+             "lora_r": 0, "lora_alpha": 0, "lora_dropout": 0.0, "distill_mode": "offline_blackbox",
+             "distill_loss": "fkl", "distill_temperature": 1.0, "jsd_beta": 0.5, "student_ratio": 0.5,
+             "rollout_tokens": 64, "teacher_topk": 20}
 
 
 class VocabularyMismatchError(ConfigError):
@@ -224,8 +224,8 @@ class SmallLM(nn.Module):
             from peft import LoraConfig, get_peft_model
 
             model.requires_grad_(False)
-            lora = LoraConfig(r=s["lora_r"], lora_alpha=s["lora_alpha"] or 2 * s["lora_r"], lora_dropout=0.0,
-                              target_modules="all-linear", task_type="CAUSAL_LM")
+            lora = LoraConfig(r=s["lora_r"], lora_alpha=s["lora_alpha"] or 2 * s["lora_r"],
+                              lora_dropout=s["lora_dropout"], target_modules="all-linear", task_type="CAUSAL_LM")
             model = get_peft_model(model, lora)
         model.generation_config.pad_token_id = getattr(target.config, "pad_token_id", None)
         return cls(target, model.to(target.device).train(), s, tokenizer)
