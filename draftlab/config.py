@@ -63,7 +63,7 @@ class DrafterConfig:
     kind: str = "eagle"
     """Drafter kind: one of draftlab.drafters.DRAFTERS (eagle, eagle3, medusa, medusa2, small_lm, acceptance)."""
     num_layers: int = 1
-    """Decoder layers in the head (eagle)."""
+    """Decoder layers in the head (eagle) / in the small LM (small_lm)."""
     feature_noise: float = 0.2
     """EAGLE: std of the uniform noise added to target features during training (0 = off)."""
     reg_weight: float = 1.0
@@ -98,6 +98,34 @@ class DrafterConfig:
     """Medusa-2: dropout on the LoRA path."""
     kl_weight: float = 1.0
     """Medusa-2: weight of KL(original target || adapted target), which keeps the served model close to the original."""
+    hidden_size: int = 0
+    """small_lm: width of a drafter built from the target's config (0 = the target's)."""
+    num_attention_heads: int = 0
+    """small_lm: attention heads (0 = the target's at the target's width, else hidden_size // 64)."""
+    num_key_value_heads: int = 0
+    """small_lm: key/value heads (0 = the target's, at most num_attention_heads)."""
+    intermediate_size: int = 0
+    """small_lm: MLP width (0 = the target's at the target's width, else 4 x hidden_size)."""
+    share_embeddings: bool = True
+    """small_lm built from the target's config: copy the target's input embeddings and LM head in (needs the target's width)."""
+    train_shared_embeddings: bool = False
+    """small_lm: keep the copied embeddings / LM head trainable and saved (default: frozen, restored from the target)."""
+    init_from: str = ""
+    """small_lm: start from this local pretrained model folder (the target's tokenizer) instead of the target's config."""
+    distill_mode: str = "offline_blackbox"
+    """small_lm: offline_blackbox, offline_whitebox, online_whitebox, online_blackbox."""
+    distill_loss: str = "fkl"
+    """small_lm white-box divergence: fkl, rkl, jsd, tvd."""
+    distill_temperature: float = 1.0
+    """small_lm white-box: temperature applied to both student and teacher logits."""
+    jsd_beta: float = 0.5
+    """small_lm: beta of the generalised JSD (beta*KL(p||M) + (1-beta)*KL(q||M), M = beta*p + (1-beta)*q)."""
+    student_ratio: float = 0.5
+    """small_lm online_whitebox: probability that a step trains on the student's own continuations."""
+    rollout_tokens: int = 64
+    """small_lm online modes: tokens generated per prompt by the student (online_whitebox) or the target (online_blackbox)."""
+    teacher_topk: int = 20
+    """small_lm offline_whitebox: the target's top-k log-probs (plus tail mass) read from data.store."""
     base: str = ""
     """acceptance: the frozen small_lm drafter the head judges (run folder = its best step, or a step_N folder)."""
     acceptance_layers: int = 3
@@ -212,6 +240,9 @@ CHOICES = {
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
     "eval.tree": ("chain", "static", "dynamic"),
     "hub.push": ("none", "best", "final", "every_eval"),
+    "drafter.distill_mode": ("offline_blackbox", "offline_whitebox", "online_whitebox", "online_blackbox"),
+    "drafter.distill_loss": ("fkl", "rkl", "jsd", "tvd"),
+    "drafter.acceptance_label": ("sampled", "greedy"),
 }
 TRACKERS = ("none", "jsonl", "tensorboard", "wandb")
 
@@ -361,6 +392,19 @@ def validate(cfg) -> None:
                 "data.limit", "train.warmup_steps"]:
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"config key '{key}' is {OmegaConf.select(cfg, key)}: it must not be negative")
+    for key in ["drafter.student_ratio", "drafter.jsd_beta", "drafter.mix_ratio"]:
+        if not 0.0 <= OmegaConf.select(cfg, key) <= 1.0:
+            raise ConfigError(f"config key '{key}' is {OmegaConf.select(cfg, key)}: it must lie in [0, 1]")
+    if cfg.drafter.distill_temperature <= 0:
+        raise ConfigError(f"config key 'drafter.distill_temperature' is {cfg.drafter.distill_temperature}: it must be > 0")
+    for key in ["drafter.rollout_tokens", "drafter.teacher_topk", "drafter.min_draft"]:
+        if OmegaConf.select(cfg, key) < 1:
+            raise ConfigError(f"config key '{key}' is {OmegaConf.select(cfg, key)}: it must be at least 1")
+    if cfg.drafter.kind == "small_lm" and cfg.drafter.distill_mode == "offline_whitebox" and not cfg.data.store:
+        raise ConfigError("drafter.distill_mode=offline_whitebox reads the target's top-k logits from a store: "
+                          "set data.store=PATH (built on first use)")
+    if cfg.drafter.kind == "acceptance" and not cfg.drafter.base:
+        raise ConfigError("drafter.kind=acceptance needs drafter.base=RUN_OR_STEP_FOLDER (a trained small_lm drafter)")
     if not cfg.target.path:
         raise ConfigError("config key 'target.path' is empty: set target.path=FOLDER|HUB_ID|FILE.gguf")
     if not cfg.data.train:

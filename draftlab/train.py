@@ -60,7 +60,8 @@ def main(cfg) -> dict:
         raise ConfigError(f"data.train {cfg.data.train} has no usable conversation "
                           f"({stats}): check the file's format (messages / conversations / prompt+response)")
     batches = runtime.Batches(dataset, cfg.train.batch_size, world, accelerator.process_index, cfg.seed,
-                              pad_token_id=pad_id(tokenizer), bucketed=getattr(cfg.train, "bucketed", False))
+                              pad_token_id=pad_id(tokenizer), bucketed=getattr(cfg.train, "bucketed", False),
+                              bucket_batches=getattr(cfg.train, "bucket_batches", 64))
     if is_main:
         print(f"data: {len(dataset)} conversations from {cfg.data.train} ({stats})", flush=True)
 
@@ -217,13 +218,20 @@ def prepare_train_data(cfg, target, tokenizer, accelerator) -> None:
     """Create data.train by letting the target answer data.regenerate_from, if asked (resumable, main process)."""
     if not cfg.data.regenerate_from:
         return
+    train_file = Path(cfg.data.train)
+    marker = train_file.with_name(train_file.name + ".source")  # says the file is ours to extend
+    if train_file.exists() and not marker.exists():
+        if accelerator.is_main_process:  # a user's own conversations: never append target answers to them
+            print(f"data: {train_file} exists and was not made by regeneration: using it as is", flush=True)
+        return
     if accelerator.is_main_process:
         from draftlab.answers import answer_prompts
         from draftlab.data import load_prompts
 
         prompts = load_prompts(cfg.data.regenerate_from, limit=cfg.data.regenerate_num or None)
-        Path(cfg.data.train).parent.mkdir(parents=True, exist_ok=True)
-        answer_prompts(target, tokenizer, prompts, cfg.data.train,
+        train_file.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{cfg.data.regenerate_from}\n")
+        answer_prompts(target, tokenizer, prompts, str(train_file),
                        max_new_tokens=cfg.data.regenerate_max_new_tokens, batch_size=cfg.data.regenerate_batch_size)
     accelerator.wait_for_everyone()
 
