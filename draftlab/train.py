@@ -368,6 +368,11 @@ def checkpoint_step(cfg, out_dir: Path, step: int, drafter, model, optimizer, sc
             trainer_state["optimizer"] = optimizer.state_dict()
         ckpt.save_drafter(drafter, folder, extra_files=extra, trainer_state=trainer_state, state_dict=weights,
                           staged=True)
+        calibration = json.loads(extra["eval.json"]).get("calibration") if extra else None
+        if calibration:  # acceptance heads: the reliability plot beside eval.json
+            from draftlab.report import plot_calibration
+
+            plot_calibration(calibration, folder / "calibration.png")
         if state["best_step"] is not None:
             ckpt.write_text_atomic(out_dir / "best", f"step_{state['best_step']}\n")
         prune(out_dir, cfg.train.keep_last, state["best_step"])
