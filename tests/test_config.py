@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from draftlab.config import ConfigError, available_recipes, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
-REQUIRED = ["target.path=/x", "data.train=/x.jsonl", "data.eval_prompts=/p.jsonl"]
+REQUIRED = ["target.path=/x", "data.train=/x.jsonl", "data.eval_prompts=/p.jsonl", "drafter.base=/b"]
 
 
 @pytest.mark.parametrize("recipe", available_recipes())
