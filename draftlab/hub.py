@@ -89,7 +89,11 @@ class Source:
         from draftlab.target import convert_gguf, resolve_target_path
 
         where = resolve_target_path(self.target_path)
-        return AutoConfig.from_pretrained(convert_gguf(where) if where.lower().endswith(".gguf") else where)
+        try:
+            return AutoConfig.from_pretrained(convert_gguf(where) if where.lower().endswith(".gguf") else where)
+        except Exception as e:
+            raise HubError(f"cannot read the target's config from {self.target_path} ({type(e).__name__}): pass "
+                           "--target with the target's local folder") from None
 
     def target_config(self):
         return self.full_config.get_text_config()
@@ -457,6 +461,7 @@ def push_checkpoint(checkpoint: str | Path, repo_id: str, *, private: bool = Fal
         export = export_checkpoint(checkpoint, export_dir or default_export_dir(checkpoint, repo_id), fmt=fmt,
                                    target=target, tokenizer=tokenizer, target_path=target_path,
                                    base_model=base_model, eval_reports=eval_reports, license=license, repo_id=repo_id)
+    print(f"export: {export}", flush=True)
     return upload(export, repo_id, private=private, revision=revision, commit_message=commit_message, token=token)
 
 

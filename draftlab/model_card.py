@@ -187,8 +187,8 @@ def usage(meta: dict, reports) -> dict[str, str]:
                   f"vllm serve {base} --speculative-config "
                   f"'{{\"method\": \"eagle3\", \"model\": \"{repo}\", \"num_speculative_tokens\": {k}}}'")
         if details.get("repeated_aux"):
-            vllm = (f"Not supported by vLLM for this head: its aux layer ids {details['aux_layers']} repeat a layer and "
-                    "vLLM collects each target layer once (a target with more layers gives distinct ids).")
+            vllm = (f"Not supported by vLLM for this head: its aux layer ids {details['aux_layers']} repeat a layer "
+                    "and vLLM collects each target layer once (a target with more layers gives distinct ids).")
         return {"vLLM": vllm, "transformers": no_tf,
                 "SGLang": "Not supported by SGLang as exported: its EAGLE-3 loader expects the official EAGLE-3 "
                           "config and weight layout, not the speculators format."}
@@ -211,15 +211,16 @@ def usage(meta: dict, reports) -> dict[str, str]:
         head_note = ("The acceptance head (acceptance_head/) sets the draft length adaptively (SpecDec++) only in "
                      "draftlab (`draftlab eval --checkpoint`); the engines below draft a fixed number of tokens with "
                      "the draft model.\n\n") if details.get("acceptance_head") else ""
-        return {"transformers": head_note + "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+        return {"transformers": head_note + "```python\n"
+                "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
                 f"tokenizer = AutoTokenizer.from_pretrained(\"{base}\")\n"
                 f"target = AutoModelForCausalLM.from_pretrained(\"{base}\")\n"
                 f"draft = AutoModelForCausalLM.from_pretrained(\"{repo}\")\n"
                 "inputs = tokenizer.apply_chat_template([{\"role\": \"user\", \"content\": \"Hello!\"}], "
                 "add_generation_prompt=True, return_dict=True, return_tensors=\"pt\")\n"
                 "out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128)\n```",
-                "vLLM": sh(f"vllm serve {base} --speculative-config "
-                           f"'{{\"method\": \"draft_model\", \"model\": \"{repo}\", \"num_speculative_tokens\": {k}}}'"),
+                "vLLM": sh(f"vllm serve {base} --speculative-config '{{\"method\": \"draft_model\", "
+                           f"\"model\": \"{repo}\", \"num_speculative_tokens\": {k}}}'"),
                 "SGLang": sh(f"python -m sglang.launch_server --model-path {base} --speculative-algorithm STANDALONE "
                              f"\\\n  --speculative-draft-model-path {repo} {sglang_tree_flags([], k)}")}
     return {"vLLM": "Not supported by vLLM (draftlab-native format).",
@@ -248,8 +249,8 @@ def render_card(meta: dict, reports: list[tuple[str, dict]], run: dict | None, p
     target = f"[{base}](https://huggingface.co/{base})" if base else f"`{meta.get('target') or 'its target'}`"
     title = repo.split("/")[-1] if repo else f"draftlab {kind} drafter"
     what = KIND_NAMES.get(kind, kind)
-    intro = (f"{'An' if what[0] in 'AEIOU' else 'A'} {what} that drafts tokens for speculative decoding with {target}, trained "
-             "and scored with draftlab. The target verifies every drafted token, so the "
+    intro = (f"{'An' if what[0] in 'AEIOU' else 'A'} {what} that drafts tokens for speculative decoding with "
+             f"{target}, trained and scored with draftlab. The target verifies every drafted token, so the "
              "generated text is the target's own (greedy: token-identical; sampling: the same distribution).")
     if kind == "medusa2":
         intro += (" Medusa-2 trains LoRA adapters on the target jointly with the heads: the model served is the "
@@ -262,13 +263,15 @@ def render_card(meta: dict, reports: list[tuple[str, dict]], run: dict | None, p
              "tau = tokens emitted per target forward pass, measured by real speculative decoding against the target "
              "(bonus token included; 1 means no gain, a chain of k drafts reaches at most k+1). Per-position "
              "acceptance = share of rounds whose i-th draft token was accepted. Speedups are wall-clock on the "
-             "machine that ran the evaluation."]
+             f"machine that ran the evaluation. Measured against the target loaded from `{meta.get('target')}`"
+             + (" (GGUF weights, dequantised: serve the same weights to see the same tau)."
+                if str(meta.get("target", "")).lower().endswith(".gguf") else ".")]
     parts.append(tau_table(reports) if reports else "No evaluation report was available for this checkpoint.")
     if plotted:
         parts.append(f"![per-position acceptance]({PLOT_NAME})")
     cats = next((r["per_category"] for _, r in reports if r.get("per_category")), None)
     if cats:
-        parts.append("| category | tau | prompts |\n|---|---|---|\n" + "\n".join(
+        parts.append("Per prompt category (first report):\n\n| category | tau | prompts |\n|---|---|---|\n" + "\n".join(
             f"| {c} | {fmt(v.get('acceptance_length'))} | {v.get('num_prompts')} |" for c, v in cats.items()))
     parts += ["## Files", f"Format: {FORMAT_NAMES.get(meta['format'], meta['format'])}. The draftlab checkpoint is in "
               "`draftlab/` (drafter_config.json, model.safetensors, eval.json, config.yaml); the `best` file points "

@@ -345,8 +345,9 @@ class FakeHub:
                     data = json.loads(body)
                     return self.reply(200, {"url": f"{fake.url}/{data['organization']}/{data['name']}"})
                 if "/preupload/" in path:
-                    return self.reply(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                                                      for f in json.loads(body)["files"]]})
+                    files = json.loads(body)["files"]
+                    return self.reply(200, {"files": [{"path": f["path"], "uploadMode": "regular",
+                                                       "shouldIgnore": False} for f in files]})
                 if "/commit/" in path:
                     for line in body.splitlines():
                         item = json.loads(line)
