@@ -405,6 +405,8 @@ def validate(cfg) -> None:
                           "set data.store=PATH (built on first use)")
     if cfg.drafter.kind == "acceptance" and not cfg.drafter.base:
         raise ConfigError("drafter.kind=acceptance needs drafter.base=RUN_OR_STEP_FOLDER (a trained small_lm drafter)")
+    if cfg.hub.push != "none" and not cfg.hub.repo_id:
+        raise ConfigError(f"hub.push={cfg.hub.push} needs hub.repo_id=ORG/NAME (or hub.push=none)")
     if not cfg.target.path:
         raise ConfigError("config key 'target.path' is empty: set target.path=FOLDER|HUB_ID|FILE.gguf")
     if not cfg.data.train:

@@ -173,8 +173,12 @@ def main(cfg) -> dict:
         if save_due:
             checkpoint_step(cfg, out_dir, step, drafter, model, optimizer, scheduler, state,
                             evaluator if eval_due else None, accelerator)
+            if is_main and ((cfg.hub.push == "every_eval" and eval_due) or (cfg.hub.push == "final" and final)):
+                push_to_hub(cfg, out_dir / f"step_{step}", target, tokenizer)
     progress.close()
     accelerator.end_training()
+    if is_main and cfg.hub.push == "best":
+        push_to_hub(cfg, out_dir, target, tokenizer)
 
     summary = {"out_dir": str(out_dir), "steps": state["step"], "best_step": state["best_step"],
                "best_tau": state["best_tau"], "history": state["history"]}
@@ -212,6 +216,17 @@ def find_resume_folder(cfg, out_dir: Path, accelerator) -> Path | None:
 
 def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def push_to_hub(cfg, folder: Path, target, tokenizer) -> None:
+    """hub.push: export + upload; a failed push is reported and training goes on (the export is kept)."""
+    from draftlab.hub import HubError, push_checkpoint
+
+    try:
+        url = push_checkpoint(folder, cfg.hub.repo_id, private=cfg.hub.private, target=target, tokenizer=tokenizer)
+        print(f"hub: pushed {folder} to {url}", flush=True)
+    except HubError as e:
+        print(f"hub: push failed: {e}", flush=True)
 
 
 def prepare_train_data(cfg, target, tokenizer, accelerator) -> None:
