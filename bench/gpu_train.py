@@ -4,6 +4,7 @@ accelerate's DeepSpeed config; real tokens/s, padding share, peak GPU memory; an
     python bench/gpu_train.py                          # random Llama target (--hidden/--layers), a few minutes
     python bench/gpu_train.py --target PATH --steps 40 # a real target (HF folder, .gguf, Hub id)
     python bench/gpu_train.py --kinds eagle --no-zero  # only the plain bf16 runs
+Kinds that build on another trained checkpoint (acceptance) are left out.
 
 Each run is `accelerate launch --config_file recipes/accelerate/{single_gpu,deepspeed_zero2}.yaml
 --num_processes 1 ...` around `draftlab.train.main` (via bench/train_throughput.py's child mode), so the
@@ -139,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         if importlib.util.find_spec("deepspeed") is None:
             return fail("the ZeRO-2 runs need DeepSpeed: pip install 'draftlab[deepspeed]' (or pass --no-zero)")
     from draftlab.drafters import DRAFTERS
-    from bench.train_throughput import KIND_OVERRIDES, recipe_for
+    from bench.train_throughput import KIND_OVERRIDES, NEEDS_CHECKPOINT, recipe_for
 
-    kinds = [k for k in (args.kinds.split(",") if args.kinds else DRAFTERS) if k]
+    kinds = [k for k in (args.kinds.split(",") if args.kinds else DRAFTERS) if k and k not in NEEDS_CHECKPOINT]
     unknown = [k for k in kinds if k not in DRAFTERS]
     if unknown:
         return fail(f"unknown drafter kind(s) {', '.join(unknown)}: choose from {', '.join(DRAFTERS)}")
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"train.batch_size={args.batch_size}", "train.grad_accum=1",
                         f"data.max_length={args.max_length}",
                         "train.mixed_precision=bf16", "train.warmup_steps=0", "train.schedule=constant",
-                        "drafter.feature_noise=0.0", *KIND_OVERRIDES.get(kind, [])]
+                        "drafter.feature_noise=0.0", "data.regenerate_from=''", *KIND_OVERRIDES.get(kind, [])]
                 run = [*base, f"out_dir={out}", f"train.max_steps={args.steps}",
                        f"train.save_every={max(1, args.steps // 2)}"]
                 rc, tail, wall = launch(config, run, {"bucketed": args.bucketed}, work, out.name)

@@ -2,14 +2,16 @@
 and without length-bucketed batches (`train.bucketed`).
 
     python bench/train_throughput.py                                  # tiny random target (a smoke run)
-    python bench/train_throughput.py --target PATH --steps 6          # a real target (HF folder, .gguf, Hub id)
+    python bench/train_throughput.py --target PATH --limit 32         # a real target (HF folder, .gguf, Hub id)
     python bench/train_throughput.py --kinds eagle,medusa --set eagle3:drafter.ttt_steps=3
 
-Every (kind, bucketing) pair runs `draftlab.train.main` in a fresh process, so its peak memory is its own, for
---steps optimizer steps on --data (eval off). The first --warmup steps are not counted; tokens/s is the real
-(non-padding) tokens of the other steps over their training seconds. Each kind starts from the recipe that
-names it (recipes/*.yaml). Prints a table, writes bench/results/train_throughput.json. The numbers come from the
-run's metrics.jsonl, i.e. what a real training run reports.
+Every (kind, bucketing) pair runs `draftlab.train.main` in a fresh process, so its peak memory is its own, on
+--limit conversations of --data (eval off), by default for one epoch: plain and bucketed runs then train on the
+same rows and differ only in how they are grouped. tokens/s is the real (non-padding) tokens over the training
+seconds of the counted steps (all but the first --warmup); tokens per CPU-second divides by this process's CPU
+time instead, which other processes on a shared machine disturb less. Each kind starts from the recipe that names
+it (recipes/*.yaml). Prints a table, writes bench/results/train_throughput.json; the numbers come from the run's
+metrics.jsonl, i.e. what a real training run reports.
 """
 from __future__ import annotations
 
@@ -32,8 +34,13 @@ DEFAULT_DATA = ROOT.parent / "shared" / "bench" / "smollm2_answers.jsonl"
 KIND_OVERRIDES = {"eagle3": ["drafter.draft_vocab_size=0"]}  # full vocabulary: bench data is too small to reduce it
 
 
+# kinds that build on another trained checkpoint: measured only when given one (--set KIND:key=PATH)
+NEEDS_CHECKPOINT = {"acceptance": "drafter.base"}
+
+
 def recipe_for(kind: str) -> str:
-    """The first shipped recipe whose drafter is `kind` and that trains online (no feature store)."""
+    """The first shipped recipe (alphabetically) whose drafter is `kind` and that reads no feature store; for
+    small_lm that is offline black-box distillation, plain cross-entropy on the data."""
     from omegaconf import OmegaConf
 
     from draftlab.config import available_recipes, load_config
@@ -43,7 +50,7 @@ def recipe_for(kind: str) -> str:
             cfg = load_config([f"recipe={name}", "target.path=x", "data.train=x", "eval.every=0"])
         except Exception:
             continue
-        if cfg.drafter.kind == kind and not OmegaConf.select(cfg, "data.store") and not cfg.data.regenerate_from:
+        if cfg.drafter.kind == kind and not OmegaConf.select(cfg, "data.store"):
             return name
     return "eagle_head"  # plus drafter.kind=KIND below
 
@@ -81,12 +88,17 @@ def child(spec_file: str) -> int:
 def measure(kind: str, bucketed: bool, args, target: str, work: Path) -> dict:
     out = work / f"{kind}_{'bucketed' if bucketed else 'plain'}"
     recipe = recipe_for(kind)
+    extra = [s.split(":", 1)[1] for s in args.set if s.split(":", 1)[0] == kind]
+    needed = NEEDS_CHECKPOINT.get(kind)
+    if needed and not any(e.startswith(f"{needed}=") for e in extra):
+        return {"kind": kind, "bucketed": bucketed, "recipe": recipe,
+                "skipped": f"needs a trained checkpoint: --set {kind}:{needed}=RUN_FOLDER"}
     overrides = [f"recipe={recipe}", f"drafter.kind={kind}", f"target.path={target}", f"data.train={args.data}",
                  f"out_dir={out}", "eval.every=0", "tracking=jsonl", f"train.max_steps={args.steps}",
                  "train.log_every=1", f"train.batch_size={args.batch_size}", "train.grad_accum=1",
                  f"data.max_length={args.max_length}", f"data.limit={args.limit}", "train.save_every=0",
-                 f"train.num_threads={args.threads}", "train.warmup_steps=0", *KIND_OVERRIDES.get(kind, []),
-                 *[s.split(":", 1)[1] for s in args.set if s.split(":", 1)[0] == kind]]
+                 f"train.num_threads={args.threads}", "train.warmup_steps=0", "data.regenerate_from=''",
+                 *KIND_OVERRIDES.get(kind, []), *extra]
     spec = work / f"{out.name}.json"
     spec.write_text(json.dumps({"overrides": overrides, "train_options": {"bucketed": bucketed}}))
     t0 = time.perf_counter()
@@ -127,11 +139,12 @@ def tokens_per_cpu_second(rows: list[dict]) -> float | None:
 def table(results: list[dict]) -> str:
     lines = [f"{'kind':<9} {'batches':<9} {'tokens/s':>9} {'tok/CPU-s':>10} {'padding':>8} {'peak RSS MB':>12} "
              f"{'vs plain (CPU)':>15}", "-" * 78]
-    plain = {r["kind"]: r for r in results if not r["bucketed"] and "error" not in r}
+    plain = {r["kind"]: r for r in results if not r["bucketed"] and "tokens_per_second" in r}
     for r in results:
         name = "bucketed" if r["bucketed"] else "plain"
-        if "error" in r:
-            lines.append(f"{r['kind']:<9} {name:<9} failed: {r['error'][:60]}")
+        if "error" in r or "skipped" in r:
+            lines.append(f"{r['kind']:<9} {name:<9} " + (f"failed: {r['error'][:60]}" if "error" in r
+                                                          else f"skipped: {r['skipped']}"))
             continue
         base, cpu = plain.get(r["kind"]), r.get("tokens_per_cpu_second")
         base_cpu = base.get("tokens_per_cpu_second") if base else None
@@ -148,8 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default="", help="target path (default: the tests' tiny random Llama)")
     ap.add_argument("--data", default=str(DEFAULT_DATA), help="training conversations (JSONL)")
     ap.add_argument("--kinds", default=",".join(DRAFTERS), help=f"comma-separated (default: {','.join(DRAFTERS)})")
-    ap.add_argument("--steps", type=int, default=16, help="optimizer steps per measurement")
-    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the median")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="optimizer steps per measurement (default: one epoch of --limit rows, so that plain and "
+                         "bucketed runs train on the same rows)")
+    ap.add_argument("--warmup", type=int, default=0, help="first steps left out of the count")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--max-length", type=int, default=1024,
                     help="tokens per conversation (the tiny target reads at most 1024)")
@@ -162,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return child(args.child)
 
+    if args.steps <= 0:
+        args.steps = max(1, args.limit // args.batch_size)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in DRAFTERS]
     if unknown:
@@ -179,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             for bucketed in (False, True):  # adjacent, so a change in machine load hits both alike
                 r = measure(kind, bucketed, args, target, work)
                 line = (f"{r['tokens_per_second']:.0f} tokens/s, {r['tokens_per_cpu_second'] or 0:.0f} per CPU-second"
-                        if "error" not in r else f"failed: {r['error']}")
+                        if "tokens_per_second" in r else f"failed: {r['error']}" if "error" in r
+                        else f"skipped: {r['skipped']}")
                 print(f"  {kind:<8} {'bucketed' if bucketed else 'plain':<8} {line}", flush=True)
                 results.append(r)
     print(table(results))

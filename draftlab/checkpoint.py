@@ -194,6 +194,15 @@ def step_folders(out_dir: str | Path) -> list[Path]:
     return sorted(steps, key=lambda p: int(STEP_RE.match(p.name).group(1)))
 
 
+def prune(out_dir: str | Path, keep_last: int, best_step: int | None) -> None:
+    """Keep the `keep_last` newest step folders (0 = keep all) and the best step, whatever its age."""
+    if keep_last <= 0:
+        return
+    for folder in step_folders(out_dir)[:-keep_last]:
+        if best_step is None or folder.name != f"step_{best_step}":
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A run folder means its best step (or its latest when none was evaluated); a step folder means itself."""
     path = Path(path)

@@ -13,13 +13,14 @@ import random
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, ProjectConfiguration, gather_object
+from accelerate.utils import DistributedType, InitProcessGroupKwargs, ProjectConfiguration, gather_object
 
 from draftlab.config import ConfigError, tracking_list
 
@@ -39,8 +40,11 @@ def make_accelerator(cfg, out_dir: Path) -> Accelerator:
     # step_scheduler_with_optimizer=False: accelerate would otherwise step the schedule once per *process* at
     # every optimizer step (it assumes the data loader's batch grew with the world size), so a 2-process run
     # would decay its learning rate twice as fast as the same run on one process.
+    # In-loop evaluation runs on the main process while the others wait at the next collective: allow it hours,
+    # not the default 30 minutes, before a waiting rank gives up (a long evaluation on a large target is normal).
+    patience = InitProcessGroupKwargs(timeout=timedelta(hours=3))
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed, log_with=trackers or None,
-                              project_config=project, step_scheduler_with_optimizer=False)
+                              project_config=project, step_scheduler_with_optimizer=False, kwargs_handlers=[patience])
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is not None:  # our batches bypass accelerate's DataLoader, so fill DeepSpeed's "auto" fields here
         ds = plugin.deepspeed_config
@@ -355,6 +359,19 @@ def trim_metrics(out_dir: Path, step: int) -> int:
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)
     return dropped
+
+
+def flat_config(cfg) -> dict:
+    """{"section.key": value} for trackers that show a flat table of hyper-parameters."""
+    from omegaconf import OmegaConf
+
+    out = {}
+    for section, values in OmegaConf.to_container(cfg).items():
+        if isinstance(values, dict):
+            out.update({f"{section}.{k}": v for k, v in values.items()})
+        else:
+            out[section] = values
+    return out
 
 
 def init_tracking(accelerator, cfg, out_dir: Path, config: dict) -> None:

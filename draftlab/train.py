@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -97,7 +96,7 @@ def main(cfg) -> dict:
     if is_main:
         runtime.write_run_info(out_dir, runtime.run_info(accelerator, resume_from))
     batches.micro_step = state["micro_step"]
-    runtime.init_tracking(accelerator, cfg, out_dir, {**flat_config(cfg), **runtime.git_revision(),
+    runtime.init_tracking(accelerator, cfg, out_dir, {**runtime.flat_config(cfg), **runtime.git_revision(),
                                                        "world_size": world})
     evaluator = InLoopEvaluator(cfg, target, tokenizer) if cfg.eval.every > 0 and is_main else None
 
@@ -390,7 +389,7 @@ def checkpoint_step(cfg, out_dir: Path, step: int, drafter, model, optimizer, sc
             plot_calibration(calibration, folder / "calibration.png")
         if state["best_step"] is not None:
             ckpt.write_text_atomic(out_dir / "best", f"step_{state['best_step']}\n")
-        prune(out_dir, cfg.train.keep_last, state["best_step"])
+        ckpt.prune(out_dir, cfg.train.keep_last, state["best_step"])
         if state["history"]:
             from draftlab.plots import plot_tau_curve
 
@@ -419,27 +418,6 @@ def evaluate_step(cfg, out_dir: Path, step: int, drafter, state: dict, evaluator
     tqdm.write(f"step {step}: tau {tau:.3f} (k={cfg.eval.draft_length}, {cfg.eval.tree}), "
                f"speedup {report.get('speedup') or float('nan'):.2f}x, lossless {report.get('lossless')}")
     return json.dumps(report, indent=2)
-
-
-def prune(out_dir: Path, keep_last: int, best_step) -> None:
-    if keep_last <= 0:
-        return
-    steps = ckpt.step_folders(out_dir)
-    for folder in steps[:-keep_last]:
-        if best_step is None or folder.name != f"step_{best_step}":
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def flat_config(cfg) -> dict:
-    from omegaconf import OmegaConf
-
-    out = {}
-    for section, values in OmegaConf.to_container(cfg).items():
-        if isinstance(values, dict):
-            out.update({f"{section}.{k}": v for k, v in values.items()})
-        else:
-            out[section] = values
-    return out
 
 
 def print_summary(summary: dict) -> None:

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from draftlab import checkpoint as ckpt
 from draftlab import runtime
 from draftlab.config import load_config
-from draftlab.train import main, prune
+from draftlab.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -208,9 +208,9 @@ def test_prune_never_deletes_the_best(tmp_path):
     for step in (1, 2, 3, 4, 5):
         (tmp_path / f"step_{step}").mkdir()
         (tmp_path / f"step_{step}" / ckpt.CONFIG_NAME).write_text("{}")
-    prune(tmp_path, keep_last=2, best_step=1)
+    ckpt.prune(tmp_path, keep_last=2, best_step=1)
     assert [p.name for p in ckpt.step_folders(tmp_path)] == ["step_1", "step_4", "step_5"]
-    prune(tmp_path, keep_last=0, best_step=None)  # 0 = keep all
+    ckpt.prune(tmp_path, keep_last=0, best_step=None)  # 0 = keep all
     assert len(ckpt.step_folders(tmp_path)) == 3
 
 
