@@ -32,7 +32,7 @@ Environment:
 
 Examples:
   ./launch.sh recipe=eagle_head target.path=/models/llama train.max_steps=1000
-  GPUS_PER_NODE=8 ./launch.sh --deepspeed zero3 recipe=small_lm_distill
+  GPUS_PER_NODE=8 ./launch.sh --deepspeed zero3 recipe=distill_online_whitebox
   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 ./launch.sh recipe=eagle_head   # run on every node
   ./launch.sh --cpu --dry-run recipe=quickstart
 EOF

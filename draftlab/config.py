@@ -176,6 +176,12 @@ class TrainConfig:
     """Resume: '' (fresh run), 'auto' (latest step in out_dir, if any), or a step folder."""
     num_threads: int = 0
     """CPU threads for torch (0 = torch's default)."""
+    bucketed: bool = False
+    """Group conversations of similar length into batches (less padding, same data each epoch, resumable)."""
+    bucket_batches: int = 64
+    """Bucketing window: batches' worth of conversations sorted by length together."""
+    gradient_checkpointing: bool = False
+    """Recompute the drafter's activations in the backward pass (less memory, more compute)."""
     cache_features: bool = False
     """Keep each conversation's target features in memory after its first forward (the target is frozen, so they
     never change) and skip the target forward in later epochs. Memory: training tokens x feature size."""
