@@ -35,6 +35,7 @@ Examples:
   GPUS_PER_NODE=8 ./launch.sh --deepspeed zero3 recipe=distill_online_whitebox
   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 ./launch.sh recipe=eagle_head   # run on every node
   ./launch.sh --cpu --dry-run recipe=quickstart
+  GPUS_PER_NODE=8 ./launch.sh recipe=eagle_head train.resume=auto   # continue out_dir's run after a crash
 EOF
 }
 
