@@ -32,7 +32,7 @@ Environment:
 
 Examples:
   ./launch.sh recipe=eagle_head target.path=/models/llama train.max_steps=1000
-  GPUS_PER_NODE=8 ./launch.sh --deepspeed zero3 recipe=distill_online_whitebox
+  GPUS_PER_NODE=8 ./launch.sh --deepspeed zero3 recipe=distill_online_whitebox eval.every=0  # ZeRO-3: draftlab eval
   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 ./launch.sh recipe=eagle_head   # run on every node
   ./launch.sh --cpu --dry-run recipe=quickstart
   GPUS_PER_NODE=8 ./launch.sh recipe=eagle_head train.resume=auto   # continue out_dir's run after a crash

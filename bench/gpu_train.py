@@ -73,10 +73,10 @@ def synthetic_data(path: Path, rows: int = 512) -> str:
     return str(path)
 
 
-def launch(config: str, overrides: list[str], options: dict, work: Path, name: str) -> tuple[int, str, float]:
+def launch(config: str, overrides: list[str], work: Path, name: str) -> tuple[int, str, float]:
     """One process under `accelerate launch` with an accelerate config of recipes/accelerate/."""
     spec = work / f"{name}.json"
-    spec.write_text(json.dumps({"overrides": overrides, "train_options": options}))
+    spec.write_text(json.dumps({"overrides": overrides}))
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCEL / f"{config}.yaml"),
            "--num_processes", "1", "--num_machines", "1", "--main_process_port", "29533"]
     if config.startswith("deepspeed"):
@@ -162,10 +162,11 @@ def main(argv: list[str] | None = None) -> int:
                         f"train.batch_size={args.batch_size}", "train.grad_accum=1",
                         f"data.max_length={args.max_length}",
                         "train.mixed_precision=bf16", "train.warmup_steps=0", "train.schedule=constant",
-                        "drafter.feature_noise=0.0", "data.regenerate_from=''", *KIND_OVERRIDES.get(kind, [])]
+                        "drafter.feature_noise=0.0", "data.regenerate_from=''",
+                        f"train.bucketed={str(args.bucketed).lower()}", *KIND_OVERRIDES.get(kind, [])]
                 run = [*base, f"out_dir={out}", f"train.max_steps={args.steps}",
                        f"train.save_every={max(1, args.steps // 2)}"]
-                rc, tail, wall = launch(config, run, {"bucketed": args.bucketed}, work, out.name)
+                rc, tail, wall = launch(config, run, work, out.name)
                 row = {"kind": kind, "config": config, "wall_seconds": wall}
                 if rc != 0:
                     row["error"] = tail
@@ -176,8 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                         shutil.copytree(out, again, ignore=shutil.ignore_patterns(f"step_{args.steps}"))
                         rc2, tail2, _ = launch(config, [*base, f"out_dir={again}", f"train.max_steps={args.steps}",
                                                         f"train.save_every={max(1, args.steps // 2)}",
-                                                        "train.resume=auto"], {"bucketed": args.bucketed}, work,
-                                               again.name)
+                                                        "train.resume=auto"], work, again.name)
                         row["resume"] = ({"max_abs_weight_diff": max_weight_diff(
                             out / f"step_{args.steps}" / "model.safetensors",
                             again / f"step_{args.steps}" / "model.safetensors")} if rc2 == 0 else {"error": tail2})

@@ -68,20 +68,11 @@ def tiny_target(folder: Path) -> str:
 
 
 def child(spec_file: str) -> int:
-    """Run one training job: overrides from the spec, plus train options config.py may not declare yet."""
-    from omegaconf import OmegaConf
-
+    """Run one training job from a spec file (its overrides): one measurement in its own process."""
     from draftlab.config import load_config
     from draftlab.train import main
 
-    spec = json.loads(Path(spec_file).read_text())
-    cfg = load_config(spec["overrides"])
-    options = spec.get("train_options", {})
-    if not all(name in cfg.train for name in options):
-        cfg = OmegaConf.create(OmegaConf.to_container(cfg))
-    for name, value in options.items():
-        cfg.train[name] = value
-    main(cfg)
+    main(load_config(json.loads(Path(spec_file).read_text())["overrides"]))
     return 0
 
 
@@ -98,9 +89,9 @@ def measure(kind: str, bucketed: bool, args, target: str, work: Path) -> dict:
                  "train.log_every=1", f"train.batch_size={args.batch_size}", "train.grad_accum=1",
                  f"data.max_length={args.max_length}", f"data.limit={args.limit}", "train.save_every=0",
                  f"train.num_threads={args.threads}", "train.warmup_steps=0", "data.regenerate_from=''",
-                 *KIND_OVERRIDES.get(kind, []), *extra]
+                 f"train.bucketed={str(bucketed).lower()}", *KIND_OVERRIDES.get(kind, []), *extra]
     spec = work / f"{out.name}.json"
-    spec.write_text(json.dumps({"overrides": overrides, "train_options": {"bucketed": bucketed}}))
+    spec.write_text(json.dumps({"overrides": overrides}))
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, __file__, "--child", str(spec)], capture_output=True, text=True,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})

@@ -59,8 +59,8 @@ def main(cfg) -> dict:
         raise ConfigError(f"data.train {cfg.data.train} has no usable conversation "
                           f"({stats}): check the file's format (messages / conversations / prompt+response)")
     batches = runtime.Batches(dataset, cfg.train.batch_size, world, accelerator.process_index, cfg.seed,
-                              pad_token_id=pad_id(tokenizer), bucketed=getattr(cfg.train, "bucketed", False),
-                              bucket_batches=getattr(cfg.train, "bucket_batches", 64))
+                              pad_token_id=pad_id(tokenizer), bucketed=cfg.train.bucketed,
+                              bucket_batches=cfg.train.bucket_batches)
     if is_main:
         print(f"data: {len(dataset)} conversations from {cfg.data.train} ({stats})", flush=True)
 
@@ -68,7 +68,7 @@ def main(cfg) -> dict:
     drafter = DRAFTERS[cfg.drafter.kind].from_target(target, cfg.drafter).to(accelerator.device)
     if hasattr(drafter, "prepare") and resume_from is None:  # data-dependent set-up (e.g. a draft vocabulary)
         drafter.prepare(dataset)
-    if getattr(cfg.train, "gradient_checkpointing", False) and runtime.enable_gradient_checkpointing(drafter) == 0:
+    if cfg.train.gradient_checkpointing and runtime.enable_gradient_checkpointing(drafter) == 0:
         tqdm.write(f"train.gradient_checkpointing: drafter kind '{cfg.drafter.kind}' has no transformer layer to "
                    "checkpoint; training without it")
     params = [p for p in drafter.parameters() if p.requires_grad]

@@ -27,17 +27,6 @@ def args(target_dir, data, prompts, out_dir, *extra):
             "train.log_every=1", "data.max_length=96", "train.warmup_steps=0", "train.keep_last=0", *extra]
 
 
-def with_train_options(cfg, **options):
-    """cfg with train.<name>=value, also before config.py declares the field (an untyped copy then)."""
-    from omegaconf import OmegaConf
-
-    if not all(name in cfg.train for name in options):
-        cfg = OmegaConf.create(OmegaConf.to_container(cfg))
-    for name, value in options.items():
-        cfg.train[name] = value
-    return cfg
-
-
 def rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -185,9 +174,9 @@ def test_bucketing_cuts_padding(tiny_target_dir, mixed_lengths, tiny_prompt_file
     share = {}
     for bucketed in (False, True):
         out = tmp_path / f"b{int(bucketed)}"
-        cfg = load_config(args(tiny_target_dir, mixed_lengths, tiny_prompt_file, out, "eval.every=0",
-                               "tracking=jsonl", "data.max_length=256", "train.max_steps=4"))
-        main(with_train_options(cfg, bucketed=bucketed))
+        main(load_config(args(tiny_target_dir, mixed_lengths, tiny_prompt_file, out, "eval.every=0",
+                              "tracking=jsonl", "data.max_length=256", "train.max_steps=4",
+                              f"train.bucketed={str(bucketed).lower()}")))
         train_rows = [r for r in rows(out) if "padding_share" in r]
         share[bucketed] = sum(r["padding_share"] for r in train_rows) / len(train_rows)
     assert share[True] < share[False] / 2, share
@@ -217,14 +206,12 @@ def test_bucketed_batches_cover_each_row_once_per_epoch_and_split_evenly(tiny_to
 
 def test_bucketed_resume_is_exact(tiny_target_dir, mixed_lengths, tiny_prompt_file, tmp_path):
     common = ["eval.every=0", "tracking=jsonl", "data.max_length=256", "train.save_every=2",
-              "drafter.feature_noise=0.0", "train.schedule=constant"]
+              "drafter.feature_noise=0.0", "train.schedule=constant", "train.bucketed=true"]
     straight, split = tmp_path / "straight", tmp_path / "split"
-    main(with_train_options(load_config(args(tiny_target_dir, mixed_lengths, tiny_prompt_file, straight,
-                                             "train.max_steps=4", *common)), bucketed=True))
-    main(with_train_options(load_config(args(tiny_target_dir, mixed_lengths, tiny_prompt_file, split,
-                                             "train.max_steps=2", *common)), bucketed=True))
-    main(with_train_options(load_config(args(tiny_target_dir, mixed_lengths, tiny_prompt_file, split,
-                                             "train.max_steps=4", "train.resume=auto", *common)), bucketed=True))
+    main(load_config(args(tiny_target_dir, mixed_lengths, tiny_prompt_file, straight, "train.max_steps=4", *common)))
+    main(load_config(args(tiny_target_dir, mixed_lengths, tiny_prompt_file, split, "train.max_steps=2", *common)))
+    main(load_config(args(tiny_target_dir, mixed_lengths, tiny_prompt_file, split, "train.max_steps=4",
+                          "train.resume=auto", *common)))
     a = load_file(str(straight / "step_4" / ckpt.WEIGHTS_NAME))
     b = load_file(str(split / "step_4" / ckpt.WEIGHTS_NAME))
     for k in a:
