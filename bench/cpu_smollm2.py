@@ -57,7 +57,8 @@ def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="cut-down run: 20 steps, 3 prompts per set (see README)")
     ap.add_argument("--target", default=TARGET, help=f"target model (default {TARGET})")
-    ap.add_argument("--kinds", default="all", help="comma-separated drafter kinds, KIND or KIND:RECIPE (default all)")
+    ap.add_argument("--kinds", default="all", help="comma-separated drafter kinds, KIND or KIND:RECIPE (default all); "
+                    "KIND:RECIPE@TAG trains a recipe once more under its own label (give it --set LABEL:KEY=VALUE)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cpu_smollm2.json"))
     ap.add_argument("--cache", default="", help="cache folder (default: bench/results/cache beside --out)")
     ap.add_argument("--answers", default=str(SHARED / "smollm2_answers.jsonl"),
@@ -66,15 +67,16 @@ def parse_args(argv):
                     help="prompts the target answers when --answers is missing")
     ap.add_argument("--num-train-prompts", type=int, default=1184, help="prompts to answer when regenerating")
     ap.add_argument("--mtbench", default=str(SHARED / "mtbench.jsonl"))
-    ap.add_argument("--humaneval", default=str(SHARED / "humaneval_a.jsonl"))
+    ap.add_argument("--humaneval", default=str(SHARED / "humaneval_a.jsonl"), help="'' to skip this prompt set")
     ap.add_argument("--num-prompts", type=int, default=None, help="prompts per set (default all; --quick 3)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps per drafter (default 600; --quick 20)")
     ap.add_argument("--batch-size", type=int, default=4, help="conversations per step")
     ap.add_argument("--max-length", type=int, default=512, help="tokens per training conversation")
     ap.add_argument("--lr", type=float, default=1e-3, help="peak learning rate for every kind (cosine, 10%% warm-up)")
-    ap.add_argument("--set", action="append", default=[], metavar="[KIND:]KEY=VALUE",
-                    help="extra config override for every kind (or one kind), e.g. --set medusa2:train.lr=2e-4")
+    ap.add_argument("--set", action="append", default=[], metavar="[KIND[:RECIPE]:]KEY=VALUE",
+                    help="extra config override for every kind, one kind or one --kinds entry, e.g. --set "
+                         "medusa2:train.lr=2e-4 --set small_lm:distill_online_blackbox:drafter.rollout_tokens=128")
     ap.add_argument("--trees", default="chain,dynamic", help="comma-separated: chain, dynamic, static")
     ap.add_argument("--draft-length", type=int, default=5)
     ap.add_argument("--depth", type=int, default=5, help="dynamic tree depth")
@@ -216,6 +218,7 @@ def plan_kinds(args, base: list[str]) -> list[tuple[str, str, str]]:
     plan = []
     for item in wanted:
         kind, _, recipe = item.partition(":")
+        recipe = recipe.partition("@")[0]   # KIND:RECIPE@TAG: the same recipe again, under its own label
         if kind not in DRAFTERS:
             raise ConfigError(f"--kinds names '{kind}': registered kinds are {', '.join(DRAFTERS)}")
         if not recipe:
@@ -234,7 +237,7 @@ def compose(kind_recipe: tuple[str, str], overrides: list[str]):
 
 
 def train_overrides(args, kind: str, recipe: str, data: Path, stats: dict, eval_prompts: str,
-                    trained: dict, inloop: bool) -> list[str]:
+                    trained: dict, inloop: bool, label: str = "") -> list[str]:
     """The config overrides that give every kind the same data, budget and schedule."""
     from omegaconf import OmegaConf
 
@@ -262,10 +265,10 @@ def train_overrides(args, kind: str, recipe: str, data: Path, stats: dict, eval_
         elif not any("drafter.base=" in item for item in args.set):
             raise ConfigError(f"{kind} is built on a trained {BASE_KIND[kind]} drafter: add {BASE_KIND[kind]} to "
                               f"--kinds, or pass --set {kind}:drafter.base=CHECKPOINT")
-    for item in args.set:  # KEY=VALUE for every kind, KIND:KEY=VALUE for one
+    for item in args.set:  # KEY=VALUE for every kind, KIND:KEY=VALUE for one, KIND:RECIPE:KEY=VALUE for one label
         head, _, value = item.partition("=")
         scope, _, key = head.rpartition(":")
-        if scope in ("", kind):
+        if scope in ("", kind, label):
             over.append(f"{key}={value}")
     cfg = compose((kind, recipe), over)
     vocab = OmegaConf.select(cfg, "drafter.draft_vocab_size", default=None)
@@ -528,7 +531,7 @@ def main(argv=None) -> dict:
 
     # bad prompt files and kinds fail here, before any training
     prompt_sets = [load_prompt_set(name, path, args, tokenizer, target)
-                   for name, path in (("mtbench", args.mtbench), ("humaneval", args.humaneval))]
+                   for name, path in (("mtbench", args.mtbench), ("humaneval", args.humaneval)) if path]
     base = [f"target.path={args.target}", f"data.train={data}", "eval.every=0"]
     plan = plan_kinds(args, base)
     print("drafters: " + ", ".join(f"{label} (recipe {r or 'defaults'})" for label, _, r in plan), flush=True)
@@ -539,7 +542,8 @@ def main(argv=None) -> dict:
         for label, kind, recipe in plan:
             check_load(f"train {label}", load)
             try:
-                over = train_overrides(args, kind, recipe, data, stats, args.mtbench, trained, label == inloop_label)
+                over = train_overrides(args, kind, recipe, data, stats, args.mtbench, trained, label == inloop_label,
+                                       label)
                 trained[label] = train_kind(args, label, kind, recipe, over, stats)
             except Exception as e:  # one kind failing must not cost the others their figures
                 failures[label] = f"{type(e).__name__}: {e}"
