@@ -166,7 +166,7 @@ def load_drafter(folder: str | Path, target) -> torch.nn.Module:
         if key in saved and saved[key] != current.get(key):
             raise CheckpointError(f"checkpoint {folder} was trained for a target with {key}={saved[key]}, "
                                   f"but this target has {key}={current.get(key)}: pass the matching --target")
-    drafter = DRAFTERS[kind].from_config(config, target)
+    drafter = DRAFTERS[kind].from_config({**config, "folder": str(folder)}, target)  # folder: relative paths
     try:
         weights = load_file(str(folder / WEIGHTS_NAME))
     except FileNotFoundError:

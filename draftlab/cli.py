@@ -92,6 +92,16 @@ def checkpoint_target(folder: Path) -> str:
     return name
 
 
+def parse_lengths(text: str) -> list[int]:
+    """--fixed-k '2,4,6' -> [2, 4, 6]; anything but positive integers is a ConfigError."""
+    from draftlab.config import ConfigError
+
+    items = [item.strip() for item in text.split(",") if item.strip()] if text else []
+    if not all(item.isdigit() and int(item) >= 1 for item in items):
+        raise ConfigError(f"--fixed-k {text!r}: give comma-separated draft lengths of at least 1, e.g. --fixed-k 2,4,6")
+    return [int(item) for item in items]
+
+
 def cmd_eval(argv: list[str]) -> None:
     import json
 
@@ -108,6 +118,7 @@ def cmd_eval(argv: list[str]) -> None:
     args = eval_parser().parse_args(argv)
     if args.draft_length < 1 or args.max_new_tokens < 1:
         raise ConfigError("--draft-length and --max-new-tokens must be at least 1")
+    fixed_lengths = parse_lengths(args.fixed_k)
     folder = resolve_checkpoint(args.checkpoint) if args.checkpoint else None
     if folder is None and not args.target:
         raise ConfigError("--proposer prompt_lookup needs --target PATH (the model to speculate for)")
@@ -141,7 +152,7 @@ def cmd_eval(argv: list[str]) -> None:
 
         report = evaluate_adaptive(target, partial(drafter.proposer, target), prompt_ids, spec=spec, sampling=sampling,
                                    max_new_tokens=args.max_new_tokens, baseline=baseline, eos_token_ids=eos,
-                                   fixed_lengths=[int(k) for k in args.fixed_k.split(",")], categories=categories,
+                                   fixed_lengths=fixed_lengths, categories=categories,
                                    seed=args.seed, **adaptive)
     else:
         report = evaluate(target, proposer, prompt_ids, spec=spec, sampling=sampling,

@@ -274,7 +274,7 @@ def export_acceptance(src: Source, out: Path, meta: dict) -> dict:
          "output": "logit of P(the target accepts the token); stop once 1 - prod(p) > adaptive_threshold"}, indent=2))
     base = Path(src.config["base"])
     shutil.copytree(base, out / NATIVE_DIR / "base", ignore=shutil.ignore_patterns(ckpt.STATE_NAME, "*.tmp"))
-    config = {**src.config, "base": str(Path(meta["export_dir"]).resolve() / NATIVE_DIR / "base")}
+    config = {**src.config, "base": "base"}   # relative to draftlab/: the export loads wherever it is copied
     (out / NATIVE_DIR / ckpt.CONFIG_NAME).write_text(json.dumps(config, indent=2))
     return {"acceptance_head": True}
 

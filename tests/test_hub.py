@@ -262,6 +262,8 @@ def test_acceptance_head_exports_beside_its_drafter(tiny_target, tmp_path, monke
                             "blocks.1.linear.bias", "out.weight", "out.bias"}
     assert json.loads((out / "acceptance_head" / "config.json").read_text())["acceptance_layers"] == 2
     (tmp_path / "base").rename(tmp_path / "base_moved")          # the export no longer needs the original base
+    out = out.rename(tmp_path / "export_moved")                  # and loads wherever it is copied
+    assert json.loads((out / "draftlab" / "drafter_config.json").read_text())["base"] == "base"
     loaded = load_drafter(out, model).eval()
     states = torch.randn(5, 64)
     with torch.no_grad():

@@ -126,7 +126,11 @@ class AcceptanceHead(nn.Module):
 
     @classmethod
     def from_config(cls, config: dict, target) -> "AcceptanceHead":
+        """config["folder"] (given by checkpoint.load_drafter): the checkpoint folder, against which a relative
+        `base` (an export's draftlab/base) is resolved."""
         settings = {k: config.get(k, v) for k, v in _DEFAULTS.items()}
+        if settings["base"] and not Path(settings["base"]).is_absolute() and config.get("folder"):
+            settings["base"] = str((Path(config["folder"]) / settings["base"]).resolve())
         return cls(target, cls._load_base(settings["base"], target), settings)
 
     # --- the network --------------------------------------------------------------------------------------
