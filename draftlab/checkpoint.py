@@ -62,6 +62,8 @@ def save_drafter(drafter: torch.nn.Module, folder: str | Path, extra_files: dict
         raise CheckpointError(f"{tmp} is missing: call begin_save({folder}) before save_drafter(staged=True)")
     save_file(trainable_state_dict(drafter) if state_dict is None else state_dict, str(tmp / WEIGHTS_NAME))
     (tmp / CONFIG_NAME).write_text(json.dumps(drafter.drafter_config(), indent=2))
+    for name, tensors in (drafter.checkpoint_tensors() if hasattr(drafter, "checkpoint_tensors") else {}).items():
+        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / name))  # e.g. EAGLE-3's d2t/t2d
     for name, text in (extra_files or {}).items():
         (tmp / name).write_text(text)
     if trainer_state is not None:

@@ -79,7 +79,9 @@ class DrafterConfig:
     ttt_decay: float = 0.8
     """EAGLE-3: loss weight decay^j of training-time-test step j."""
     draft_vocab_size: int = 0
-    """EAGLE-3: draft vocabulary = the N most frequent assistant tokens of data.train (0 = the full vocabulary)."""
+    """EAGLE-3: draft vocabulary = the N most frequent assistant tokens of data.train (0 = the full vocabulary,
+    -1 = auto: 32000, or every distinct assistant token when the data holds fewer; an explicit N above that
+    count is an error)."""
     medusa_heads: int = 4
     """Medusa: number of heads (head k, 1-based, predicts token t+1+k)."""
     medusa_layers: int = 1

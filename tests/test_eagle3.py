@@ -197,6 +197,37 @@ def test_draft_vocabulary_and_maps(target, dataset):
         _head(model, draft_vocab_size=distinct + 1).prepare(dataset)
 
 
+def test_auto_draft_vocabulary_keeps_every_distinct_token_of_small_data(target, dataset, monkeypatch):
+    import draftlab.drafters.eagle3 as eagle3
+
+    model, _ = target
+    distinct = len({t for row in dataset.rows for t, m in zip(row["input_ids"], row["loss_mask"]) if m})
+    assert distinct < model.config.vocab_size - 1
+    monkeypatch.setattr(eagle3, "AUTO_DRAFT_VOCAB", model.config.vocab_size - 1)   # more than the data holds
+    head = _head(model, draft_vocab_size=-1)
+    head.prepare(dataset)
+    assert head.draft_vocab_size == distinct == len(head.draft_vocab) == head.lm_head.out_features
+    reloaded = EagleHead3.from_config(head.drafter_config(), model)                 # the saved size, not auto
+    assert torch.equal(reloaded.draft_vocab, head.draft_vocab) and reloaded.vocab_ready
+    with pytest.raises(ValueError, match="-1"):
+        _head(model, draft_vocab_size=-2)
+
+
+def test_checkpoint_holds_the_vocabulary_maps(target, dataset, tmp_path):
+    from safetensors.torch import load_file
+
+    from draftlab.checkpoint import load_drafter, save_drafter
+
+    model, _ = target
+    head = _head(model, draft_vocab_size=40)
+    head.prepare(dataset)
+    folder = save_drafter(head, tmp_path / "step_1")
+    maps = load_file(str(folder / "d2t_t2d.safetensors"))
+    assert torch.equal(maps["d2t"], head.d2t) and torch.equal(maps["t2d"], head.t2d)
+    assert torch.equal(maps["d2t"] + torch.arange(40), head.draft_vocab)
+    assert torch.equal(load_drafter(folder, model).draft_vocab, head.draft_vocab)
+
+
 def _trained(model, tok, dataset, steps: int, **cfg) -> EagleHead3:
     from draftlab.data import collate
 

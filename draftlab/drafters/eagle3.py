@@ -25,7 +25,7 @@ ancestors. Keys of earlier steps live in a KV cache (after RoPE), so step j runs
 (j+1) n keys with a block mask [causal | eye | ... | eye].
 
 Draft vocabulary: `prepare(dataset)` counts assistant tokens (loss_mask) and keeps the draft_vocab_size most
-frequent (ties by id), sorted ascending as `draft_vocab`; d2t[i] = draft_vocab[i] - i (target id = i + d2t[i])
+frequent (ties by id; -1 = auto: min(32000, distinct tokens), an explicit N above the distinct count is an error), sorted ascending as `draft_vocab`; d2t[i] = draft_vocab[i] - i (target id = i + d2t[i])
 and t2d[v] = v in the draft vocabulary. The list is saved in drafter_config.json, so it survives save/load.
 The proposer sees logits over the target vocabulary with -inf outside the draft vocabulary.
 """
@@ -42,6 +42,7 @@ from transformers import DynamicCache
 from draftlab.drafters.eagle import EagleProposer, _additive
 
 _DEFAULTS = {"ttt_steps": 7, "ttt_decay": 0.8, "draft_vocab_size": 0}
+AUTO_DRAFT_VOCAB = 32000         # draft_vocab_size=-1: EAGLE-3's 32k, or every distinct assistant token if fewer
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -86,6 +87,13 @@ class EagleHead3(nn.Module):
         self.aux_layers, self.ttt_steps, self.ttt_decay = aux, ttt_steps, ttt_decay
         self.feature_layers = tuple(aux) + (-1,)       # the last state gives the training target distribution
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
+        if draft_vocab_size < -1:
+            raise ValueError(f"drafter.draft_vocab_size={draft_vocab_size}: give N > 0, 0 (full vocabulary) or -1 "
+                             f"(auto: min({AUTO_DRAFT_VOCAB}, distinct assistant tokens))")
+        # -1 (auto): up to AUTO_DRAFT_VOCAB tokens, fewer when the data holds fewer distinct ones (set in prepare)
+        self.auto_vocab = draft_vocab_size == -1 and draft_vocab is None
+        if draft_vocab_size == -1:
+            draft_vocab_size = len(set(draft_vocab)) if draft_vocab is not None else AUTO_DRAFT_VOCAB
         self.draft_vocab_size = draft_vocab_size if 0 < draft_vocab_size < config.vocab_size else 0
 
         d = config.hidden_size
@@ -147,6 +155,10 @@ class EagleHead3(nn.Module):
         for i in range(len(dataset)):
             row = dataset[i]
             counts.update(t for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
+        if self.auto_vocab and len(counts) < self.draft_vocab_size:   # auto: every token the data holds
+            self.draft_vocab_size = len(counts)
+            old = self.lm_head
+            self.lm_head = nn.Linear(old.in_features, len(counts), bias=False).to(old.weight.device, old.weight.dtype)
         if len(counts) < self.draft_vocab_size:
             raise ValueError(f"drafter.draft_vocab_size={self.draft_vocab_size} but the training data has only "
                              f"{len(counts)} distinct assistant tokens: set drafter.draft_vocab_size to at most "
@@ -174,6 +186,14 @@ class EagleHead3(nn.Module):
         makes short runs converge sooner and is overwritten by loaded weights)."""
         with torch.no_grad():
             self.lm_head.weight.copy_(self._borrowed.lm_head.weight[self.draft_vocab])
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, Tensor]]:
+        """Saved beside the weights (checkpoint.save_drafter): the draft-vocabulary maps, as EAGLE-3 names them.
+        Loading rebuilds them from drafter_config.json's draft_vocab; this file is for other tools."""
+        if not self.draft_vocab_size:
+            return {}
+        d2t, t2d = self.d2t, self.t2d
+        return {"d2t_t2d.safetensors": {"d2t": d2t, "t2d": t2d}}
 
     @property
     def d2t(self) -> Tensor:
