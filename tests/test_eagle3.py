@@ -52,9 +52,12 @@ def _batch(ids: torch.Tensor, loss_mask=None, attention_mask=None) -> dict:
 def test_defaults_shapes_and_frozen_pieces(target):
     model, tok = target
     assert default_aux_layers(32) == [2, 16, 29] and default_aux_layers(2) == [1, 1, 1]
+    for layers in range(4, 40):   # three distinct layers in 1..L-1 whenever the target has them
+        aux = default_aux_layers(layers)
+        assert len(set(aux)) == 3 and 1 <= min(aux) and max(aux) <= layers - 1, (layers, aux)
     head = _head(model)
     d, vocab = model.config.hidden_size, model.config.vocab_size
-    assert head.aux_layers == default_aux_layers(4) and head.feature_layers == (1, 2, 2, -1)
+    assert head.aux_layers == default_aux_layers(4) and head.feature_layers == (1, 2, 3, -1)
     assert head.fc.in_features == 3 * d and head.fc.bias is None
     assert head.layer.self_attn.q_proj.in_features == 2 * d and head.lm_head.out_features == vocab
     trainable = {n for n, p in head.named_parameters() if p.requires_grad}

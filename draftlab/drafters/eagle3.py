@@ -46,8 +46,12 @@ AUTO_DRAFT_VOCAB = 32000         # draft_vocab_size=-1: EAGLE-3's 32k, or every 
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
-    """[2, L//2, L-3] (method_specs 2.3), clamped into 1..L-1 and sorted so tiny targets get valid indices."""
-    return sorted(min(max(i, 1), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
+    """[2, L//2, L-3] (method_specs 2.3), clamped into 1..L-1 and sorted so small targets get valid indices;
+    where that repeats a layer (L < 8), three distinct layers spread over 1..L-1 when there are three."""
+    aux = sorted(min(max(i, 1), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
+    if len(set(aux)) < 3 and num_layers - 1 >= 3:
+        aux = [1, num_layers // 2, num_layers - 1]
+    return aux
 
 
 def vocab_maps(draft_vocab: Tensor, vocab_size: int) -> tuple[Tensor, Tensor]:
