@@ -477,6 +477,8 @@ def row(report: dict, drafter: str, tree: str, prompt_set: str, info: dict | Non
     info = info or {}
     report = dict(report)
     tree_spec = report.pop("tree")       # the evaluator's spec dict; `tree` names the setting here
+    if tree != "chain":                  # adaptive stopping drafts chains; a tree row is its base drafter's tree
+        report.pop("adaptive", None)
     return {"drafter": drafter, "recipe": info.get("recipe"), "tree": tree, "prompt_set": prompt_set, **report,
             "tree_spec": tree_spec,
             "train_seconds": info.get("train_seconds"), "train_tokens_per_second": info.get("train_tokens_per_second"),

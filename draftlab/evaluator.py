@@ -247,7 +247,7 @@ def evaluate(target, proposer, prompts: list[Tensor], *, spec: TreeSpec, samplin
                for i, p in enumerate(tqdm(prompts, desc="speculating", disable=not progress, leave=False))]
     report = build_report(results, baseline, spec=spec, sampling=sampling, categories=categories,
                           wall_seconds=time.perf_counter() - wall)
-    if getattr(proposer, "adaptive", None) is not None:
+    if getattr(proposer, "adaptive", None) is not None and spec.kind == "chain":  # trees: the base drafter's own
         report["adaptive"] = dict(proposer.adaptive)
     return report
 
