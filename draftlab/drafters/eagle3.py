@@ -196,7 +196,7 @@ class EagleHead3(nn.Module):
         Loading rebuilds them from drafter_config.json's draft_vocab; this file is for other tools."""
         if not self.draft_vocab_size:
             return {}
-        d2t, t2d = self.d2t, self.t2d
+        d2t, t2d = vocab_maps(self.draft_vocab, self.vocab_size)
         return {"d2t_t2d.safetensors": {"d2t": d2t, "t2d": t2d}}
 
     @property
