@@ -59,6 +59,9 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="time target-only and speculative decoding interleaved prompt by prompt this many times; "
+                        "the report's speedup is the median, with speedup_min / speedup_max (default 1)")
     p.add_argument("--turns", choices=["1", "2", "both"], default="1",
                    help="MT-bench style rows with `turns`: score the first turn, the second turn (a real two-turn "
                         "conversation whose first answer is the target's own greedy answer), or both")
@@ -108,7 +111,7 @@ def cmd_eval(argv: list[str]) -> None:
     from draftlab.checkpoint import load_drafter, resolve_checkpoint
     from draftlab.config import ConfigError
     from draftlab.data import encode_prompt, load_prompts
-    from draftlab.evaluator import evaluate, run_baseline
+    from draftlab.evaluator import evaluate
     from draftlab.report import report_markdown, save_plots, summary_line, write_report
     from draftlab.target import load_target
     from draftlab.train import eos_ids
@@ -116,8 +119,8 @@ def cmd_eval(argv: list[str]) -> None:
     from draftlab.verify import Sampling
 
     args = eval_parser().parse_args(argv)
-    if args.draft_length < 1 or args.max_new_tokens < 1:
-        raise ConfigError("--draft-length and --max-new-tokens must be at least 1")
+    if args.draft_length < 1 or args.max_new_tokens < 1 or args.repeats < 1:
+        raise ConfigError("--draft-length, --max-new-tokens and --repeats must be at least 1")
     fixed_lengths = parse_lengths(args.fixed_k)
     folder = resolve_checkpoint(args.checkpoint) if args.checkpoint else None
     if folder is None and not args.target:
@@ -143,21 +146,19 @@ def cmd_eval(argv: list[str]) -> None:
     eos = eos_ids(tokenizer, target)
     conversations, categories = conversations_for_turns(prompts, args.turns, target, tokenizer, args.max_new_tokens, eos)
     prompt_ids = [encode_prompt(tokenizer, messages) for messages in conversations]
-    baseline = run_baseline(target, prompt_ids, max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
-                            sampling=sampling, seed=args.seed)
     if args.fixed_k:  # adaptive and fixed-k chains side by side, on one baseline
         from functools import partial
 
         from draftlab.evaluator import evaluate_adaptive
 
         report = evaluate_adaptive(target, partial(drafter.proposer, target), prompt_ids, spec=spec, sampling=sampling,
-                                   max_new_tokens=args.max_new_tokens, baseline=baseline, eos_token_ids=eos,
+                                   max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
                                    fixed_lengths=fixed_lengths, categories=categories,
-                                   seed=args.seed, **adaptive)
+                                   seed=args.seed, repeats=args.repeats, **adaptive)
     else:
         report = evaluate(target, proposer, prompt_ids, spec=spec, sampling=sampling,
-                          max_new_tokens=args.max_new_tokens, eos_token_ids=eos, baseline=baseline,
-                          categories=categories, seed=args.seed)
+                          max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
+                          categories=categories, seed=args.seed, repeats=args.repeats)
     report["drafter"] = label
     report["prompts"] = args.prompts
     report["turns"] = args.turns

@@ -79,9 +79,12 @@ class DrafterConfig:
     ttt_decay: float = 0.8
     """EAGLE-3: loss weight decay^j of training-time-test step j."""
     draft_vocab_size: int = 0
-    """EAGLE-3: draft vocabulary = the N most frequent assistant tokens of data.train (0 = the full vocabulary,
-    -1 = auto: 32000, or every distinct assistant token when the data holds fewer; an explicit N above that
-    count is an error)."""
+    """eagle, eagle3, medusa, small_lm: draft vocabulary = the N most frequent assistant tokens of data.train; the
+    drafter proposes only those, so a draft step skips most of the LM head (0 = the full vocabulary, -1 = auto:
+    32000, or every distinct assistant token when the data holds fewer; an explicit N above that count is an
+    error). Acceptance heads use their base drafter's."""
+    init_from_target: bool = False
+    """eagle, eagle3: start the head's decoder layer from the target's last decoder layer (data-efficient start)."""
     medusa_heads: int = 4
     """Medusa: number of heads (head k, 1-based, predicts token t+1+k)."""
     medusa_layers: int = 1
@@ -213,6 +216,9 @@ class EvalConfig:
     """Sampling temperature for evaluation (0 = greedy, with the identity check)."""
     seed: int = 0
     """Sampling seed for evaluation."""
+    repeats: int = 1
+    """Target-only and speculative decoding timed interleaved prompt by prompt this many times (median speedup,
+    with its min and max); 0 = time target-only decoding once, at the first evaluation, and reuse it (cheaper)."""
 
 
 @dataclass
@@ -396,7 +402,7 @@ def validate(cfg) -> None:
     for key in positive:
         if OmegaConf.select(cfg, key) < 1:
             raise ConfigError(f"config key '{key}' is {OmegaConf.select(cfg, key)}: it must be at least 1")
-    for key in ["train.lr", "eval.every", "train.save_every", "train.keep_last", "eval.temperature",
+    for key in ["train.lr", "eval.every", "eval.repeats", "train.save_every", "train.keep_last", "eval.temperature",
                 "data.limit", "train.warmup_steps"]:
         if OmegaConf.select(cfg, key) < 0:
             raise ConfigError(f"config key '{key}' is {OmegaConf.select(cfg, key)}: it must not be negative")

@@ -9,6 +9,7 @@ target forward and yields accepted + 1 tokens, counted before truncation at EOS 
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -225,28 +226,113 @@ def _check_baseline(baseline: dict, prompts: list[Tensor], sampling: Sampling, m
                          f"{len(prompts)}, {max_new_tokens}, {sampling.to_dict()}: run run_baseline again")
 
 
+def load_average() -> float | None:
+    """The machine's 1-minute load average (None where the OS does not report one)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def interleaved_runs(target, proposer, prompts: list[Tensor], *, spec: TreeSpec, sampling: Sampling,
+                     max_new_tokens: int, eos_token_ids=None, seed: int = 0, repeats: int = 1,
+                     progress: bool = True, warmup: bool = True) -> tuple[list, list, dict]:
+    """Target-only and speculative decoding of every prompt, timed alternately prompt by prompt, `repeats` times
+    each (T S, then S T, ...: neither side always runs second on warm caches). Both sides are deterministic given
+    the per-prompt seed, so every repeat decodes the same tokens and only the clock differs.
+
+    Returns (speculative results of the first repeat, target-only results of the first repeat, timing) where
+    timing = {tokens_per_second, baseline_tokens_per_second, speedup: the medians over repeats, speedup_min,
+    speedup_max, speedups (per repeat), timing_repeats, timing: "interleaved", load_average: [before, after]}.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}: time at least one repeat (or pass a baseline and repeats=0)")
+    device = target.device
+    load_before = load_average()
+    if warmup and prompts:
+        target_generate(target, prompts[0], min(4, max_new_tokens), eos_token_ids, sampling, _generator(device, seed, 0))
+        speculative_generate(target, proposer, prompts[0], spec, sampling, min(4, max_new_tokens), eos_token_ids,
+                             _generator(device, seed, 0))
+    spec_runs = [[None] * len(prompts) for _ in range(repeats)]
+    base_runs = [[None] * len(prompts) for _ in range(repeats)]
+    bar = tqdm(total=len(prompts) * repeats, desc="target-only | speculating", disable=not progress, leave=False)
+    for i, p in enumerate(prompts):
+        for r in range(repeats):
+            def base():
+                base_runs[r][i] = target_generate(target, p, max_new_tokens, eos_token_ids, sampling,
+                                                  _generator(device, seed, i))
+
+            def spec_run():
+                spec_runs[r][i] = speculative_generate(target, proposer, p, spec, sampling, max_new_tokens,
+                                                       eos_token_ids, _generator(device, seed, i))
+            for run in ((base, spec_run) if r % 2 == 0 else (spec_run, base)):
+                run()
+            bar.update(1)
+    bar.close()
+
+    def tps(runs):
+        seconds = sum(x.seconds for x in runs)
+        return sum(len(x.tokens) for x in runs) / seconds if seconds > 0 else None
+
+    spec_tps, base_tps = [tps(runs) for runs in spec_runs], [tps(runs) for runs in base_runs]
+    speedups = [s / b for s, b in zip(spec_tps, base_tps) if s and b]
+    timing = {
+        "tokens_per_second": _median([t for t in spec_tps if t]) if any(spec_tps) else None,
+        "baseline_tokens_per_second": _median([t for t in base_tps if t]) if any(base_tps) else None,
+        "speedup": _median(speedups) if speedups else None,
+        "speedup_min": min(speedups) if speedups else None,
+        "speedup_max": max(speedups) if speedups else None,
+        "speedups": speedups,
+        "timing_repeats": repeats,
+        "timing": "interleaved",
+        "load_average": [load_before, load_average()],
+    }
+    return spec_runs[0], base_runs[0], timing
+
+
 def evaluate(target, proposer, prompts: list[Tensor], *, spec: TreeSpec, sampling: Sampling, max_new_tokens: int,
              eos_token_ids=None, baseline: dict | None = None, categories: list[str] | None = None,
-             seed: int = 0, progress: bool = True, warmup: bool = True) -> dict:
+             seed: int = 0, progress: bool = True, warmup: bool = True, repeats: int = 1) -> dict:
     """Speculate on every prompt ([P_i] each) and return the report dict (see report.build_report).
 
-    baseline: from `run_baseline` with the same prompts / sampling / max_new_tokens (computed here if None).
-    Greedy outputs are compared token by token with the baseline's (`lossless`).
+    repeats >= 1 (default): target-only and speculative decoding are timed interleaved, prompt by prompt,
+    `repeats` times (`interleaved_runs`); the speedup is the median over repeats, with its min and max.
+    repeats = 0: only speculative decoding runs here; its speed is compared with `baseline`'s timing (from
+    `run_baseline`, same prompts / sampling / max_new_tokens), which the report marks as reused: the in-loop
+    evaluations of a training run do this to save the target-only runs.
+    Greedy outputs are compared token by token with the target-only outputs (`lossless`).
     """
     wall = time.perf_counter()
     device = target.device
-    if baseline is None:
-        baseline = run_baseline(target, prompts, sampling=sampling, max_new_tokens=max_new_tokens,
-                                eos_token_ids=eos_token_ids, seed=seed, progress=progress, warmup=warmup)
-    _check_baseline(baseline, prompts, sampling, max_new_tokens)
-    if warmup and prompts:
-        speculative_generate(target, proposer, prompts[0], spec, sampling, min(4, max_new_tokens),
-                             eos_token_ids, _generator(device, seed, 0))
-    results = [speculative_generate(target, proposer, p, spec, sampling, max_new_tokens, eos_token_ids,
-                                    _generator(device, seed, i))
-               for i, p in enumerate(tqdm(prompts, desc="speculating", disable=not progress, leave=False))]
+    if repeats >= 1:
+        results, base_results, timing = interleaved_runs(
+            target, proposer, prompts, spec=spec, sampling=sampling, max_new_tokens=max_new_tokens,
+            eos_token_ids=eos_token_ids, seed=seed, repeats=repeats, progress=progress, warmup=warmup)
+        outputs = [r.tokens for r in base_results]
+        if baseline is not None:   # given reference outputs too: an output must match both to count as lossless
+            _check_baseline(baseline, prompts, sampling, max_new_tokens)
+            outputs = [o if list(o) == list(ref) else None for o, ref in zip(outputs, baseline["outputs"])]
+        baseline = {"outputs": outputs, "tokens_per_second": timing["baseline_tokens_per_second"]}
+    else:
+        if baseline is None:
+            raise ValueError("repeats=0 reuses a baseline's timing: pass baseline=run_baseline(...) (or repeats >= 1)")
+        _check_baseline(baseline, prompts, sampling, max_new_tokens)
+        load_before = load_average()
+        if warmup and prompts:
+            speculative_generate(target, proposer, prompts[0], spec, sampling, min(4, max_new_tokens),
+                                 eos_token_ids, _generator(device, seed, 0))
+        results = [speculative_generate(target, proposer, p, spec, sampling, max_new_tokens, eos_token_ids,
+                                        _generator(device, seed, i))
+                   for i, p in enumerate(tqdm(prompts, desc="speculating", disable=not progress, leave=False))]
+        timing = {"timing": "baseline reused", "timing_repeats": 0, "load_average": [load_before, load_average()]}
     report = build_report(results, baseline, spec=spec, sampling=sampling, categories=categories,
-                          wall_seconds=time.perf_counter() - wall)
+                          wall_seconds=time.perf_counter() - wall, timing=timing)
     if getattr(proposer, "adaptive", None) is not None and spec.kind == "chain":  # trees: the base drafter's own
         report["adaptive"] = dict(proposer.adaptive)
     return report
@@ -260,11 +346,12 @@ def evaluate_adaptive(target, make_proposer, prompts: list[Tensor], *, spec: Tre
     make_proposer(adaptive_threshold=..., min_draft=...) -> proposer (e.g. `partial(head.proposer, target)`);
     None keeps the drafter's own setting, and threshold 1 gives fixed-k drafting. fixed_lengths: the k of the
     fixed runs (default [spec.draft_length]). Returns the adaptive report with report["fixed_k"][str(k)] = the
-    fixed-k report. Other keyword arguments go to `evaluate`.
+    fixed-k report. Other keyword arguments go to `evaluate` (each run is timed against its own interleaved
+    target-only runs unless repeats=0).
     """
     if spec.kind != "chain":
         raise ValueError(f"adaptive draft length applies to chains; got a {spec.kind} tree")
-    if baseline is None:
+    if baseline is None and kw.get("repeats", 1) == 0:
         baseline = run_baseline(target, prompts, sampling=sampling, max_new_tokens=max_new_tokens,
                                 eos_token_ids=kw.get("eos_token_ids"), seed=kw.get("seed", 0),
                                 progress=kw.get("progress", True), warmup=kw.get("warmup", True))

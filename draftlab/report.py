@@ -55,8 +55,11 @@ def calibration(predicted: list[float], outcome: list[int], bins: int = 10) -> d
 
 
 def build_report(results: list, baseline: dict, *, spec: TreeSpec, sampling: Sampling,
-                 categories: list[str] | None = None, wall_seconds: float | None = None) -> dict:
-    """results: evaluator.GenerationResult per prompt; baseline: evaluator.run_baseline's dict."""
+                 categories: list[str] | None = None, wall_seconds: float | None = None,
+                 timing: dict | None = None) -> dict:
+    """results: evaluator.GenerationResult per prompt; baseline: {"outputs", "tokens_per_second"} (e.g.
+    evaluator.run_baseline's dict); timing: evaluator.interleaved_runs' timing (median speeds, speedup spread),
+    which replaces the speeds computed from `results` and `baseline`."""
     rounds = sum(r.rounds for r in results)
     accepted = [a for r in results for a in r.accepted]
     depths = [d for r in results for d in r.draft_depth]
@@ -73,7 +76,7 @@ def build_report(results: list, baseline: dict, *, spec: TreeSpec, sampling: Sam
     seconds = sum(r.seconds for r in results)
     tps = _ratio(emitted, seconds)
     base_tps = baseline.get("tokens_per_second")
-    mismatched = [i for i, (r, b) in enumerate(zip(results, baseline["outputs"])) if r.tokens != list(b)]
+    mismatched = [i for i, (r, b) in enumerate(zip(results, baseline["outputs"])) if b is None or r.tokens != list(b)]
 
     report = {
         "acceptance_length": _tau(results),
@@ -100,6 +103,8 @@ def build_report(results: list, baseline: dict, *, spec: TreeSpec, sampling: Sam
         "tree": spec.to_dict(),
         "wall_seconds": wall_seconds,
     }
+    if timing:
+        report.update(timing)
     if categories is not None and any(c is not None for c in categories):
         groups: dict[str, list] = {}
         for r, c in zip(results, categories):

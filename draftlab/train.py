@@ -66,7 +66,7 @@ def main(cfg) -> dict:
 
     # --- drafter, optimiser, schedule --------------------------------------------------------------------
     drafter = DRAFTERS[cfg.drafter.kind].from_target(target, cfg.drafter).to(accelerator.device)
-    if hasattr(drafter, "prepare") and resume_from is None:  # data-dependent set-up (e.g. a draft vocabulary)
+    if hasattr(drafter, "prepare"):  # data-dependent set-up (a draft vocabulary): deterministic, so also on resume
         drafter.prepare(dataset)
     if cfg.train.gradient_checkpointing and runtime.enable_gradient_checkpointing(drafter) == 0:
         tqdm.write(f"train.gradient_checkpointing: drafter kind '{cfg.drafter.kind}' has no transformer layer to "
@@ -335,14 +335,16 @@ class InLoopEvaluator:
         spec = TreeSpec(kind=e.tree, draft_length=e.draft_length, depth=e.depth, top_k=e.top_k,
                         total_tokens=e.total_tokens)
         sampling = Sampling(temperature=e.temperature)
-        if self.baseline is None or getattr(drafter, "adapts_target", False):  # Medusa-2 changes the target
+        reuse = e.repeats == 0   # target-only outputs and timings of the first evaluation serve every later one
+        if reuse and (self.baseline is None or getattr(drafter, "adapts_target", False)):  # Medusa-2: new target
             self.baseline = run_baseline(self.target, self.prompt_ids, max_new_tokens=e.max_new_tokens,
                                          eos_token_ids=self.eos, sampling=sampling, seed=e.seed)
         was_training = drafter.training
         drafter.eval()
         report = evaluate(self.target, drafter.proposer(self.target), self.prompt_ids, spec=spec, sampling=sampling,
-                          max_new_tokens=e.max_new_tokens, eos_token_ids=self.eos, baseline=self.baseline,
-                          categories=self.categories, seed=e.seed, progress=False)
+                          max_new_tokens=e.max_new_tokens, eos_token_ids=self.eos,
+                          baseline=self.baseline if reuse else None, categories=self.categories, seed=e.seed,
+                          progress=False, repeats=e.repeats)
         drafter.train(was_training)
         return report
 

@@ -28,7 +28,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-_DEFAULTS = {"num_layers": 1, "feature_noise": 0.2, "reg_weight": 1.0, "cls_weight": 0.1, "fc_bias": True}
+from draftlab import vocab
+from draftlab.vocab import expand_logits
+
+_DEFAULTS = {"num_layers": 1, "feature_noise": 0.2, "reg_weight": 1.0, "cls_weight": 0.1, "fc_bias": True,
+             "draft_vocab_size": 0, "init_from_target": False}
 
 
 def _additive(visible: Tensor, dtype: torch.dtype) -> Tensor:
@@ -49,7 +53,8 @@ class EagleHead(nn.Module):
     feature_layers = (-1,)
 
     def __init__(self, target, num_layers: int = 1, feature_noise: float = 0.2, reg_weight: float = 1.0,
-                 cls_weight: float = 0.1, fc_bias: bool = True):
+                 cls_weight: float = 0.1, fc_bias: bool = True, draft_vocab_size: int = 0,
+                 init_from_target: bool = False, draft_vocab: list[int] | None = None):
         super().__init__()
         decoder = target.get_decoder()
         config = copy.deepcopy(target.config.get_text_config(decoder=True))
@@ -61,6 +66,8 @@ class EagleHead(nn.Module):
             config._attn_implementation = "sdpa"
         self.num_layers, self.feature_noise = num_layers, feature_noise
         self.reg_weight, self.cls_weight, self.fc_bias = reg_weight, cls_weight, fc_bias
+        vocab.check_size(draft_vocab_size)
+        self.draft_vocab_size, self.init_from_target = draft_vocab_size, init_from_target
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
         from draftlab.target import target_fingerprint
         self.target_fingerprint = target_fingerprint(target)
@@ -76,7 +83,25 @@ class EagleHead(nn.Module):
         for module in (embed, lm_head):
             module.requires_grad_(False)
         self._borrowed = SimpleNamespace(embed=embed, lm_head=lm_head, rotary=decoder.rotary_emb)
+        self.draft_head = vocab.DraftHead(lm_head, self.vocab_size)
+        if init_from_target:
+            self._copy_target_layers(decoder)
         self.to(device=embed.weight.device)
+        if draft_vocab is not None:
+            self.draft_head.set_vocab(draft_vocab)
+
+    def _copy_target_layers(self, decoder) -> None:
+        """Data-efficient start: the head's decoder layers begin as the target's last ones (which already map a
+        late hidden state to the next one); the fusion FC starts as [0 | I], passing f_t through unchanged."""
+        with torch.no_grad():
+            for mine, theirs in zip(self.layers, decoder.layers[-len(self.layers):]):
+                own = mine.state_dict()
+                mine.load_state_dict({k: v for k, v in theirs.state_dict().items() if k in own}, strict=False)
+            d = self.hidden_size
+            self.fc.weight.zero_()
+            self.fc.weight[:, d:] = torch.eye(d)
+            if self.fc.bias is not None:
+                self.fc.bias.zero_()
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -87,18 +112,29 @@ class EagleHead(nn.Module):
     def drafter_config(self) -> dict:
         """JSON-able: kind, hyper-parameters, and the fingerprint of the target it was built on."""
         return {"kind": self.kind, "feature_layers": list(self.feature_layers),
-                **{k: getattr(self, k) for k in _DEFAULTS}, "target": dict(self.target_fingerprint)}
+                **{k: getattr(self, k) for k in _DEFAULTS}, "target": dict(self.target_fingerprint),
+                "draft_vocab": self.draft_head.draft_vocab.tolist() if self.draft_head.reduced else None}
 
     @classmethod
     def from_config(cls, config: dict, target) -> "EagleHead":
         """Rebuild (untrained weights) from `drafter_config()` output; load the state dict afterwards."""
-        head = cls(target, **{k: config.get(k, v) for k, v in _DEFAULTS.items()})
+        head = cls(target, **{k: config.get(k, v) for k, v in _DEFAULTS.items() if k != "init_from_target"},
+                   draft_vocab=config.get("draft_vocab"))
         saved = config.get("target") or {}
         for key in ("hidden_size", "vocab_size"):
             if key in saved and saved[key] != getattr(head, key):
                 raise ValueError(f"eagle checkpoint was trained for a target with {key}={saved[key]} but this "
                                  f"target has {getattr(head, key)}: load it with the target it was trained on")
         return head
+
+    def prepare(self, dataset) -> None:
+        """Choose the draft vocabulary (drafter.draft_vocab_size) from the training rows' assistant tokens."""
+        if self.draft_vocab_size:
+            self.draft_head.set_vocab(vocab.choose(vocab.assistant_token_counts(dataset), self.draft_vocab_size,
+                                             self.vocab_size, who="eagle"))
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, Tensor]]:
+        return self.draft_head.maps()
 
     # --- the network ---------------------------------------------------------------------------------------
     def forward(self, features: Tensor, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None,
@@ -119,8 +155,20 @@ class EagleHead(nn.Module):
         return hidden
 
     def logits(self, hidden: Tensor) -> Tensor:
-        """hidden [..., d] -> logits [..., V] through the target's frozen LM head."""
-        return self._borrowed.lm_head(hidden.to(self._borrowed.lm_head.weight.dtype))
+        """hidden [..., d] -> logits [..., V] through the target's frozen LM head (-inf outside a draft vocabulary)."""
+        return self.draft_head.full(hidden)
+
+    def draft_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [..., d] -> logits over the draft vocabulary [..., Vd] (V rows without one); see `to_target`."""
+        return self.draft_head.small(hidden)
+
+    def to_target(self, index: Tensor) -> Tensor:
+        """Indices into `draft_logits`' last dimension -> target token ids."""
+        return self.draft_head.to_target(index)
+
+    def logits_from_draft(self, small: Tensor) -> Tensor:
+        """Draft logits [..., Vd] -> logits over the target vocabulary [..., V], -inf outside the draft vocabulary."""
+        return expand_logits(small, self.draft_head.draft_vocab, self.vocab_size) if self.draft_head.reduced else small
 
     def loss(self, batch: dict, features: Tensor) -> tuple[Tensor, dict[str, float]]:
         """batch: input_ids, attention_mask, loss_mask [B,T]; features [B,T,d] = target features f_t.
@@ -148,9 +196,10 @@ class EagleHead(nn.Module):
         loss_reg = masked_smooth_l1(pred.float(), target.float(), weight)
         # The vocabulary projection dominates the step: run it only where the loss looks ([N, V], N = weighted pairs).
         keep = weight > 0
-        logits = self.logits(pred[keep])[None]
+        # Over a draft vocabulary both sides use its rows only: the target's distribution renormalised on it.
+        logits = self.draft_head.small(pred[keep])[None]
         with torch.no_grad():
-            target_logits = self.logits(target[keep])[None]
+            target_logits = self.draft_head.small(target[keep])[None]
         sel_weight = weight[keep][None]
         loss_cls = soft_cross_entropy(logits, target_logits, sel_weight)
         total = self.reg_weight * loss_reg + self.cls_weight * loss_cls
@@ -183,7 +232,7 @@ class EagleProposer:
         self.pending = None                                       # features whose next token is not known yet
         self.cache = DynamicCache()
         self.num_real = 0                                         # real pairs in the cache
-        self.root_hidden = self.root_logits = None                # f^_N [d] and its logits [V]
+        self.root_hidden = self.root_logits = None                # f^_N [d] and its draft logits [Vd]
 
     @torch.no_grad()
     def commit(self, tokens: Tensor, features: Tensor | None) -> None:
@@ -206,7 +255,7 @@ class EagleProposer:
         self.pending = self.pending[n:] if n < len(self.pending) else None
         self.num_real += n
         self.root_hidden = out[0, -1]
-        self.root_logits = self.head.logits(self.root_hidden).float()
+        self.root_logits = self.head.draft_logits(self.root_hidden).float()
 
     def _drop_drafts(self) -> None:
         extra = self.cache.get_seq_length() - self.num_real
@@ -247,7 +296,8 @@ class EagleProposer:
         return DraftTree(tokens=tokens, parents=parents, q=q, proposal=proposal)
 
     def _chain(self, k: int, sampling, generator):
-        """k autoregressive steps, each feeding the head's own output feature back in."""
+        """k autoregressive steps, each feeding the head's own output feature back in. Greedy drafting stays in
+        the draft vocabulary's index space; sampling needs q over the target vocabulary (zero outside it)."""
         device = self.tokens.device
         hidden, logits = self.root_hidden, self.root_logits
         tokens, qs = [], []
@@ -256,11 +306,11 @@ class EagleProposer:
                 depth = torch.tensor([i], device=device)
                 ancestors = torch.ones(1, i - 1, dtype=torch.bool, device=device)
                 hidden = self._step(hidden[None], tokens[-1].view(1), depth, ancestors)[0]
-                logits = self.head.logits(hidden).float()
+                logits = self.head.draft_logits(hidden).float()
             if sampling.greedy:
-                tokens.append(logits.argmax())
+                tokens.append(self.head.to_target(logits.argmax()))
             else:
-                qs.append(sampling.probs(logits))
+                qs.append(sampling.probs(self.head.logits_from_draft(logits)))
                 tokens.append(torch.multinomial(qs[-1], 1, generator=generator)[0])
         parents = torch.arange(-1, k - 1, device=device)
         if k <= 0:
@@ -275,25 +325,28 @@ class EagleProposer:
         `total` best nodes are kept (a subtree, since scores never grow along a path)."""
         device = self.tokens.device
         k = min(top_k, self.head.vocab_size)
+        k = min(k, self.root_logits.shape[-1])
         first = F.log_softmax(self.root_logits, -1).topk(k)
-        all_tokens, all_parents, all_scores = [first.indices], [torch.full((k,), -1, device=device)], [first.values]
+        first_tokens = self.head.to_target(first.indices)
+        all_tokens, all_parents, all_scores = [first_tokens], [torch.full((k,), -1, device=device)], [first.values]
         frontier = torch.arange(k, device=device)              # record index of each frontier node
-        tokens, scores = first.indices, first.values
+        tokens, scores = first_tokens, first.values
         hidden = self.root_hidden.expand(k, -1)
         ancestors = torch.zeros(k, 0, dtype=torch.bool, device=device)
         recorded = k
         for level in range(1, depth):
             out = self._step(hidden, tokens, torch.full((k,), level, device=device), ancestors)
             ancestors = torch.cat([ancestors, torch.eye(k, dtype=torch.bool, device=device)], dim=1)
-            child = F.log_softmax(self.head.logits(out).float(), -1).topk(k)                # [k,k]
+            child = F.log_softmax(self.head.draft_logits(out).float(), -1).topk(k)          # [k,k]
+            child_tokens = self.head.to_target(child.indices).flatten()
             # clamp: a log-prob is never positive, so a child can never outscore its parent
             cumulative = (scores[:, None] + child.values.clamp(max=0)).flatten()
-            all_tokens.append(child.indices.flatten())
+            all_tokens.append(child_tokens)
             all_parents.append(frontier.repeat_interleave(k))
             all_scores.append(cumulative)
             best = cumulative.topk(k).indices
             slot = best // k
-            frontier, tokens, scores = recorded + best, child.indices.flatten()[best], cumulative[best]
+            frontier, tokens, scores = recorded + best, child_tokens[best], cumulative[best]
             hidden, ancestors = out[slot], ancestors[slot]
             recorded += k * k
         scores, parents = torch.cat(all_scores), torch.cat(all_parents)
@@ -323,7 +376,7 @@ class EagleProposer:
         for level in range(1, max(len(p) for p in paths) + 1):
             nodes = [i for i, p in enumerate(paths) if len(p) == level]
             if level == 1:
-                logits = self.root_logits[None]
+                logits = self.root_logits[None]          # draft-vocabulary space, mapped to target ids below
                 rows = [0] * len(nodes)
             else:
                 heads = sorted({parents[i] for i in nodes})       # nodes of the level above that have children
@@ -339,8 +392,8 @@ class EagleProposer:
                 for row, node in enumerate(heads):
                     entry[node], outputs[node] = num_entries + row, out[row]
                 num_entries += len(heads)
-                logits = self.head.logits(out).float()
+                logits = self.head.draft_logits(out).float()
                 rows = [heads.index(parents[i]) for i in nodes]
-            top = logits.topk(min(int(rank.max()) + 1, logits.shape[-1])).indices
+            top = self.head.to_target(logits.topk(min(int(rank.max()) + 1, logits.shape[-1])).indices)
             tokens[nodes] = top[rows, rank[nodes]]
         return tokens, torch.tensor(parents, device=device)

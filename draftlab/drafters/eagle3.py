@@ -17,9 +17,12 @@ Training-time test (alignment, with n = T-1 pair slots, slot t at RoPE position 
     step j, slot t: hidden o^{(j-1)}_t (the head's own previous output, not detached), token x_{t+1+j},
         position t+j; sees step-0 slots 0..t and the step-1..j entries of slot t only (the diagonal).
     Its output predicts x_{t+2+j}: target = the target's distribution at position t+1+j; weight =
-    loss_mask[t+2+j] (as in eagle.py: it counts when the drafted token is an assistant token) and 0 where the
-    target's argmax lies outside the draft vocabulary (it could not be drafted). Each step's loss is a mean over
-    its valid slots (the reference divides by B*T instead; ours follows losses.py).
+    loss_mask[t+2+j] (as in eagle.py: it counts when the drafted token is an assistant token). Unlike the
+    reference we keep positions whose target argmax lies outside the draft vocabulary (as speculators does):
+    the renormalised target still says which draftable token is best there, and knowing where the argmax lies
+    would need the full 49k-row LM head at every position, which cost more than the rest of the step on a CPU.
+    The target logits are computed for the draft-vocabulary rows only. Each step's loss is a mean over its valid
+    slots (the reference divides by B*T instead; ours follows losses.py).
 This is exactly the attention a draft node at depth j+1 has at inference: the real context up to t and its own
 ancestors. Keys of earlier steps live in a KV cache (after RoPE), so step j runs one attention call over
 (j+1) n keys with a block mask [causal | eye | ... | eye].
@@ -32,17 +35,18 @@ The proposer sees logits over the target vocabulary with -inf outside the draft 
 from __future__ import annotations
 
 import copy
-from collections import Counter
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from draftlab import vocab
 from draftlab.drafters.eagle import EagleProposer, _additive
+from draftlab.vocab import AUTO_DRAFT_VOCAB, expand_logits, vocab_maps  # noqa: F401  (re-exported)
 
-_DEFAULTS = {"ttt_steps": 7, "ttt_decay": 0.8, "draft_vocab_size": 0}
-AUTO_DRAFT_VOCAB = 32000         # draft_vocab_size=-1: EAGLE-3's 32k, or every distinct assistant token if fewer
+_DEFAULTS = {"ttt_steps": 7, "ttt_decay": 0.8, "draft_vocab_size": 0, "init_from_target": False}
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -52,14 +56,6 @@ def default_aux_layers(num_layers: int) -> list[int]:
     if len(set(aux)) < 3 and num_layers - 1 >= 3:
         aux = [1, num_layers // 2, num_layers - 1]
     return aux
-
-
-def vocab_maps(draft_vocab: Tensor, vocab_size: int) -> tuple[Tensor, Tensor]:
-    """draft_vocab [Vd] (ascending target ids) -> d2t [Vd] offsets (target = draft + d2t[draft]), t2d [V] bool."""
-    d2t = draft_vocab - torch.arange(len(draft_vocab), device=draft_vocab.device)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool, device=draft_vocab.device)
-    t2d[draft_vocab] = True
-    return d2t, t2d
 
 
 class EagleHead3(nn.Module):
@@ -72,7 +68,7 @@ class EagleHead3(nn.Module):
     kind = "eagle3"
 
     def __init__(self, target, aux_layers: list[int] | None = None, ttt_steps: int = 7, ttt_decay: float = 0.8,
-                 draft_vocab_size: int = 0, draft_vocab: list[int] | None = None):
+                 draft_vocab_size: int = 0, draft_vocab: list[int] | None = None, init_from_target: bool = False):
         super().__init__()
         decoder = target.get_decoder()
         config = copy.deepcopy(target.config.get_text_config(decoder=True))
@@ -89,11 +85,10 @@ class EagleHead3(nn.Module):
         if ttt_steps < 1:
             raise ValueError(f"drafter.ttt_steps={ttt_steps}: at least 1 training-time-test step is needed")
         self.aux_layers, self.ttt_steps, self.ttt_decay = aux, ttt_steps, ttt_decay
+        self.init_from_target = init_from_target
         self.feature_layers = tuple(aux) + (-1,)       # the last state gives the training target distribution
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
-        if draft_vocab_size < -1:
-            raise ValueError(f"drafter.draft_vocab_size={draft_vocab_size}: give N > 0, 0 (full vocabulary) or -1 "
-                             f"(auto: min({AUTO_DRAFT_VOCAB}, distinct assistant tokens))")
+        vocab.check_size(draft_vocab_size)
         # -1 (auto): up to AUTO_DRAFT_VOCAB tokens, fewer when the data holds fewer distinct ones (set in prepare)
         self.auto_vocab = draft_vocab_size == -1 and draft_vocab is None
         if draft_vocab_size == -1:
@@ -115,6 +110,8 @@ class EagleHead3(nn.Module):
         for module in (embed, target_head):
             module.requires_grad_(False)
         self._borrowed = SimpleNamespace(embed=embed, lm_head=target_head, rotary=decoder.rotary_emb)
+        if init_from_target:
+            self._copy_target_layer(decoder.layers[-1])
         self.to(device=embed.weight.device)
         self.register_buffer("draft_vocab", torch.arange(self.lm_head.out_features, device=embed.weight.device),
                              persistent=False)
@@ -123,6 +120,23 @@ class EagleHead3(nn.Module):
             self.set_draft_vocab(draft_vocab)
         else:
             self._init_lm_head()
+
+    def _copy_target_layer(self, last) -> None:
+        """Data-efficient start: the decoder layer begins as the target's last one. Its q/k/v read the hidden half
+        of [emb; hidden] with the target's weights (the embedding half starts at zero), both input norms start
+        as the target's, and the fusion FC passes the highest fused layer through unchanged."""
+        d = self.hidden_size
+        with torch.no_grad():
+            own = self.layer.state_dict()
+            for key, value in last.state_dict().items():
+                if key in own and own[key].shape == value.shape:
+                    own[key].copy_(value)
+                elif key in own and own[key].shape[-1] == 2 * d:       # q/k/v: [out, 2d] <- [out, d]
+                    own[key].zero_()
+                    own[key][:, d:] = value
+            self.emb_norm.load_state_dict(last.input_layernorm.state_dict())
+            self.fc.weight.zero_()
+            self.fc.weight[:, -d:] = torch.eye(d)
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -138,6 +152,7 @@ class EagleHead3(nn.Module):
         return {"kind": self.kind, "feature_layers": list(self.feature_layers), "aux_layers": self.aux_layers,
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
                 "ttt_steps": self.ttt_steps, "ttt_decay": self.ttt_decay, "draft_vocab_size": self.draft_vocab_size,
+                "init_from_target": self.init_from_target,
                 "draft_vocab": self.draft_vocab.tolist() if self.draft_vocab_size else None}
 
     @classmethod
@@ -148,39 +163,28 @@ class EagleHead3(nn.Module):
                 raise ValueError(f"eagle3 checkpoint was trained for {key}={config[key]} but the target has "
                                  f"{getattr(text, key)}: load it with the target it was trained on")
         return cls(target, aux_layers=config["aux_layers"], draft_vocab=config.get("draft_vocab"),
-                   **{k: config.get(k, v) for k, v in _DEFAULTS.items()})
+                   **{k: config.get(k, v) for k, v in _DEFAULTS.items() if k != "init_from_target"})
 
     def prepare(self, dataset) -> None:
         """Build the draft vocabulary from the assistant-token frequencies of the training rows
         (dataset[i] = {input_ids, loss_mask}); a no-op for the full vocabulary."""
         if not self.draft_vocab_size:
             return
-        counts: Counter = Counter()
-        for i in range(len(dataset)):
-            row = dataset[i]
-            counts.update(t for t, m in zip(row["input_ids"], row["loss_mask"]) if m)
-        if self.auto_vocab and len(counts) < self.draft_vocab_size:   # auto: every token the data holds
-            self.draft_vocab_size = len(counts)
+        counts = vocab.assistant_token_counts(dataset)
+        size = -1 if self.auto_vocab else self.draft_vocab_size
+        ids = vocab.choose(counts, size, self.vocab_size, who="eagle3")
+        if len(ids) != self.lm_head.out_features:   # auto on small data: every distinct token it holds
+            self.draft_vocab_size = len(ids)
             old = self.lm_head
-            self.lm_head = nn.Linear(old.in_features, len(counts), bias=False).to(old.weight.device, old.weight.dtype)
-        if len(counts) < self.draft_vocab_size:
-            raise ValueError(f"drafter.draft_vocab_size={self.draft_vocab_size} but the training data has only "
-                             f"{len(counts)} distinct assistant tokens: set drafter.draft_vocab_size to at most "
-                             f"{len(counts)} (or 0 for the full vocabulary), or train on more data")
-        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[: self.draft_vocab_size]
-        covered = sum(c for _, c in ranked) / sum(counts.values())
-        print(f"eagle3 draft vocabulary: {self.draft_vocab_size} of {len(counts)} distinct assistant tokens, "
-              f"covering {covered:.1%} of assistant tokens", flush=True)
-        self.set_draft_vocab([t for t, _ in ranked])
+            self.lm_head = nn.Linear(old.in_features, len(ids), bias=False).to(old.weight.device, old.weight.dtype)
+        self.set_draft_vocab(ids)
 
     def set_draft_vocab(self, token_ids: list[int]) -> None:
         """Install a draft vocabulary (any order; stored ascending) and initialise the LM head rows from it."""
-        ids = torch.tensor(sorted(set(int(t) for t in token_ids)), dtype=torch.long, device=self.draft_vocab.device)
+        ids = vocab.as_tensor(token_ids, self.vocab_size, self.draft_vocab.device)
         if self.draft_vocab_size and len(ids) != self.draft_vocab_size:
             raise ValueError(f"a draft vocabulary of {len(ids)} distinct tokens for draft_vocab_size="
                              f"{self.draft_vocab_size}")
-        if len(ids) and (ids[0] < 0 or ids[-1] >= self.vocab_size):
-            raise ValueError(f"draft vocabulary ids must lie in 0..{self.vocab_size - 1}")
         self.draft_vocab = ids
         self.vocab_ready = True
         self._init_lm_head()
@@ -233,11 +237,15 @@ class EagleHead3(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., d] -> logits over the target vocabulary [..., V], -inf outside the draft vocabulary."""
-        small = self.draft_logits(hidden)
-        if not self.draft_vocab_size:
-            return small
-        full = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
-        return full.index_copy(-1, self.draft_vocab, small)
+        return self.logits_from_draft(self.draft_logits(hidden))
+
+    def logits_from_draft(self, small: Tensor) -> Tensor:
+        """Draft logits [..., Vd] -> logits over the target vocabulary [..., V], -inf outside the draft vocabulary."""
+        return expand_logits(small, self.draft_vocab, self.vocab_size) if self.draft_vocab_size else small
+
+    def to_target(self, index: Tensor) -> Tensor:
+        """Indices into `draft_logits`' last dimension -> target token ids."""
+        return self.draft_vocab[index] if self.draft_vocab_size else index
 
     @staticmethod
     def ttt_mask(valid: Tensor, step: int) -> Tensor:
@@ -276,11 +284,10 @@ class EagleHead3(nn.Module):
         ids, attn = batch["input_ids"], batch["attention_mask"].bool()
         d, T = self.hidden_size, ids.shape[1]
         n = T - 1
-        with torch.no_grad():
-            full = self._borrowed.lm_head(features[..., -d:].to(self._borrowed.lm_head.weight.dtype))  # [B,T,V]
-            in_vocab = self.t2d[full.argmax(-1)] if self.draft_vocab_size else torch.ones_like(attn)
-            target_logits = full[..., self.draft_vocab] if self.draft_vocab_size else full
-            del full
+        with torch.no_grad():   # the target's logits on the draft vocabulary only: the full head is never needed
+            last = features[..., -d:].to(self._borrowed.lm_head.weight.dtype)
+            rows = self._borrowed.lm_head.weight[self.draft_vocab] if self.draft_vocab_size else None
+            target_logits = F.linear(last, rows) if rows is not None else self._borrowed.lm_head(last)  # [B,T,Vd]
         wanted = batch["loss_mask"].bool() & attn
 
         valid = attn[:, :-1] & attn[:, 1:]                              # slot t: g_t and x_{t+1} are real
@@ -291,7 +298,7 @@ class EagleHead3(nn.Module):
             target[:, : n - j] = target_logits[:, 1 + j:]                 # target's distribution at t+1+j
             weight = torch.zeros_like(valid)
             if n - 1 - j > 0:                                             # drafted token x_{t+2+j} inside the row
-                weight[:, : n - 1 - j] = wanted[:, 2 + j:] & in_vocab[:, 1 + j: T - 1] & attn[:, 1 + j: T - 1]
+                weight[:, : n - 1 - j] = wanted[:, 2 + j:] & attn[:, 1 + j: T - 1]
             weight &= valid
             logits = self.draft_logits(hidden)
             step_loss = soft_cross_entropy(logits, target, weight)
