@@ -48,8 +48,16 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", required=True, help="JSONL prompt set (rows with `messages` or `prompt`)")
     p.add_argument("--out", required=True, help="report JSON to write (a .md table and plots go beside it)")
     p.add_argument("--target", help="target model (default: the one the checkpoint was trained for)")
-    p.add_argument("--draft-length", type=int, default=5, help="chain draft length k (default 5)")
-    p.add_argument("--tree", choices=["chain", "static", "dynamic"], default="chain")
+    p.add_argument("--draft-length", default="5",
+                   help="chain draft length k (default 5), or auto: measure the draft and verification costs on this "
+                        "machine and the drafter's acceptance on calibration prompts, and take the k with the most "
+                        "expected tokens/s (up to --max-draft-length)")
+    p.add_argument("--tree", choices=["chain", "static", "dynamic", "auto"], default="chain",
+                   help="draft shape; auto: the best of the auto chain and dynamic trees of 4..48 nodes, chosen "
+                        "like --draft-length auto")
+    p.add_argument("--max-draft-length", type=int, default=8, help="longest chain --draft-length auto considers")
+    p.add_argument("--calibration-prompts", default="4",
+                   help="for auto shapes: a JSONL prompt file, or N = the first N prompts of --prompts (default 4)")
     p.add_argument("--depth", type=int, default=5, help="dynamic tree depth")
     p.add_argument("--top-k", type=int, default=8, help="dynamic tree branching")
     p.add_argument("--total-tokens", type=int, default=48, help="dynamic tree size")
@@ -119,8 +127,14 @@ def cmd_eval(argv: list[str]) -> None:
     from draftlab.verify import Sampling
 
     args = eval_parser().parse_args(argv)
-    if args.draft_length < 1 or args.max_new_tokens < 1 or args.repeats < 1:
-        raise ConfigError("--draft-length, --max-new-tokens and --repeats must be at least 1")
+    auto = args.draft_length == "auto" or args.tree == "auto"
+    if args.draft_length != "auto":
+        if not args.draft_length.isdigit():
+            raise ConfigError(f"--draft-length {args.draft_length!r}: give a whole number of at least 1, or auto")
+        args.draft_length = int(args.draft_length)
+    if (args.draft_length != "auto" and args.draft_length < 1) or args.max_new_tokens < 1 or args.repeats < 1 \
+            or args.max_draft_length < 1:
+        raise ConfigError("--draft-length, --max-draft-length, --max-new-tokens and --repeats must be at least 1")
     fixed_lengths = parse_lengths(args.fixed_k)
     folder = resolve_checkpoint(args.checkpoint) if args.checkpoint else None
     if folder is None and not args.target:
@@ -139,13 +153,18 @@ def cmd_eval(argv: list[str]) -> None:
     else:
         from draftlab.proposers import PromptLookupProposer
 
-        proposer, label = PromptLookupProposer(num_tokens=args.draft_length), "prompt_lookup"
-    spec = TreeSpec(kind=args.tree, draft_length=args.draft_length, depth=args.depth, top_k=args.top_k,
-                    total_tokens=args.total_tokens)
+        proposer, label = PromptLookupProposer(), "prompt_lookup"
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.sampling_top_k)
     eos = eos_ids(tokenizer, target)
     conversations, categories = conversations_for_turns(prompts, args.turns, target, tokenizer, args.max_new_tokens, eos)
     prompt_ids = [encode_prompt(tokenizer, messages) for messages in conversations]
+    shape = None
+    if auto:
+        shape = choose_shape(args, target, tokenizer, proposer, prompt_ids, sampling, eos)
+        spec = TreeSpec(**shape["chosen_tree"])
+    else:
+        spec = TreeSpec(kind=args.tree, draft_length=args.draft_length, depth=args.depth, top_k=args.top_k,
+                        total_tokens=args.total_tokens)
     if args.fixed_k:  # adaptive and fixed-k chains side by side, on one baseline
         from functools import partial
 
@@ -160,6 +179,9 @@ def cmd_eval(argv: list[str]) -> None:
                           max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
                           categories=categories, seed=args.seed, repeats=args.repeats)
     report["drafter"] = label
+    if shape is not None:
+        report["draft_shape"] = shape
+        report["chosen_draft_length"] = shape["chosen_draft_length"]
     report["prompts"] = args.prompts
     report["turns"] = args.turns
     write_report(report, args.out)
@@ -168,6 +190,33 @@ def cmd_eval(argv: list[str]) -> None:
     plots = save_plots(report, out.parent, prefix=out.stem)
     print(summary_line(report))
     print(f"report: {out} (table: {out.with_suffix('.md')}; plots: {', '.join(plots)})")
+
+
+def choose_shape(args, target, tokenizer, proposer, prompt_ids, sampling, eos) -> dict:
+    """--draft-length auto / --tree auto: costs measured here, acceptance from calibration prompts (costs.py)."""
+    from draftlab import costs
+    from draftlab.data import encode_prompt, load_prompts
+
+    text = args.calibration_prompts
+    if text.isdigit():
+        calibration, where = prompt_ids[: max(1, int(text))], f"the first {max(1, int(text))} of {args.prompts}"
+    else:
+        calibration = [encode_prompt(tokenizer, p.messages) for p in load_prompts(text, limit=8)]
+        where = text
+    common = dict(max_length=args.max_draft_length, max_new_tokens=min(64, args.max_new_tokens), eos_token_ids=eos,
+                  seed=args.seed)
+    if args.tree == "auto":
+        shape = costs.auto_tree(target, proposer, calibration, sampling, top_k=args.top_k, **common)
+    else:
+        shape = costs.auto_draft_length(target, proposer, calibration, sampling, **common)
+        shape["chosen_tree"] = {"kind": "chain", "draft_length": shape["chosen_draft_length"]}
+    shape["calibration_prompts"] = where
+    model = shape["cost_model"]
+    print(f"draft shape: {shape.get('chosen_label') or 'chain k=' + str(shape['chosen_draft_length'])} "
+          f"(target step {shape['target_step_cost'] * 1e3:.1f} ms, draft step {shape['draft_step_cost'] * 1e3:.1f} ms; "
+          "expected tokens/s by k: " + ", ".join(f"{k}: {v['expected_tokens_per_second']:.1f}" for k, v in model.items())
+          + ")", flush=True)
+    return shape
 
 
 def conversations_for_turns(prompts, turns: str, target, tokenizer, max_new_tokens: int, eos: list[int]):

@@ -137,8 +137,8 @@ class TargetCopyProposer:
             else:
                 layout = spec.choices
             return self._static(layout, root_logits, sampling, generator)
-        finally:
-            self.cache.crop(self.base - self.cache.get_seq_length())
+        finally:   # keep the committed prefix without the root: a repeated propose (cost measurement) feeds it again
+            self.cache.crop(self.base - 1 - self.cache.get_seq_length())
 
     def _add(self, token: int, parent: int, q: Tensor | None = None, score: float = 0.0) -> int:
         depth = 1 if parent < 0 else self.nodes[parent]["depth"] + 1

@@ -1,0 +1,72 @@
+"""Cost-aware draft shapes (draftlab/costs.py) and interleaved timing in the evaluator."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftlab import costs, evaluator
+from draftlab.proposers import PromptLookupProposer, TargetCopyProposer
+from draftlab.trees import TreeSpec
+from draftlab.verify import Sampling
+
+
+def test_expected_tokens_adds_the_bonus_token():
+    assert costs.expected_tokens([0.8, 0.5, 0.2], 0) == 1.0
+    assert costs.expected_tokens([0.8, 0.5, 0.2], 2) == pytest.approx(2.3)
+
+
+def test_choose_draft_length_finds_the_known_optimum():
+    """Synthetic machine: verifying n tokens costs 1 + 0.1 (n-1), a draft step 0.05; acceptance decays by 0.7 a
+    position. Expected tokens/s by k, computed by hand, peak at k = 3 (1.747 against 1.733 at k = 4)."""
+    acc = [0.7 ** i for i in range(1, 9)]
+    verify = {n: 1.0 + 0.1 * (n - 1) for n in range(1, 10)}
+    draft = {k: 0.05 * k for k in range(1, 9)}
+    best, table = costs.choose_draft_length(acc, verify, draft)
+    by_hand = {k: (1 + sum(acc[:k])) / (1.0 + 0.1 * k + 0.05 * k) for k in range(1, 9)}
+    assert best == max(by_hand, key=by_hand.get) == 3
+    assert all(table[k]["expected_tokens_per_second"] == pytest.approx(by_hand[k]) for k in by_hand)
+    # a perfect drafter on a machine whose verification is free: the longest chain wins
+    best, _ = costs.choose_draft_length([1.0] * 8, {n: 1.0 for n in range(1, 10)}, {k: 0.0 for k in range(1, 9)})
+    assert best == 8
+    # verification that grows as fast as decoding itself: drafting one token is the least bad
+    best, _ = costs.choose_draft_length([0.3] * 8, {n: float(n) for n in range(1, 10)}, {k: 0.0 for k in range(1, 9)})
+    assert best == 1
+
+
+def test_measured_costs_and_auto_choice_on_the_tiny_target(tiny_target):
+    model, tok = tiny_target
+    prompts = [torch.tensor(tok(t)["input_ids"]) for t in ("The quick brown fox", "def add(a, b):")]
+    verify = costs.measure_verify_cost(model, prompts[0], [1, 3, 6], repeats=2)
+    tree = costs.measure_verify_cost(model, prompts[0], [6], tree=True, repeats=2)
+    assert set(verify) == {1, 3, 6} and all(v > 0 for v in verify.values()) and tree[6] > 0
+    shape = costs.auto_draft_length(model, TargetCopyProposer(model), prompts, Sampling(), max_length=4,
+                                    max_new_tokens=12)
+    assert 1 <= shape["chosen_draft_length"] <= 4 and set(shape["cost_model"]) == {1, 2, 3, 4}
+    # the copy of the target is always accepted: every position's acceptance is 1
+    assert shape["per_position_acceptance"] == pytest.approx([1.0] * 4)
+    best = max(shape["cost_model"], key=lambda k: shape["cost_model"][k]["expected_tokens_per_second"])
+    assert shape["chosen_draft_length"] == best
+
+
+def test_timing_repeats_are_interleaved(tiny_target, monkeypatch):
+    """Target-only and speculative runs alternate prompt by prompt, and their order flips every repeat."""
+    model, tok = tiny_target
+    calls = []
+    real_target, real_spec = evaluator.target_generate, evaluator.speculative_generate
+
+    def target_generate(*a, **k):
+        calls.append("T")
+        return real_target(*a, **k)
+
+    def speculative_generate(*a, **k):
+        calls.append("S")
+        return real_spec(*a, **k)
+    monkeypatch.setattr(evaluator, "target_generate", target_generate)
+    monkeypatch.setattr(evaluator, "speculative_generate", speculative_generate)
+    prompts = [torch.tensor(tok(t)["input_ids"]) for t in ("The quick brown fox", "def add(a, b):")]
+    report = evaluator.evaluate(model, PromptLookupProposer(), prompts, spec=TreeSpec(draft_length=3),
+                                sampling=Sampling(), max_new_tokens=8, repeats=3, progress=False, warmup=False)
+    assert "".join(calls) == "TSSTTS" * 2
+    assert report["timing_repeats"] == 3 and len(report["speedups"]) == 3 and report["lossless"] is True
+    assert report["speedup_min"] <= report["speedup"] <= report["speedup_max"]
+    assert report["timing"] == "interleaved" and len(report["load_average"]) == 2
