@@ -149,10 +149,14 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     """Write a small text file (e.g. `best`) so that readers see the old or the new content, never a torn one."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. a full disk: the old content stays, no torn temporary file
+        raise
     os.replace(tmp, path)
 
 

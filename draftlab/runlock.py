@@ -90,31 +90,47 @@ class FolderLock:
         self._made_dir = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while self.fd is None:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                try:
+                    fd, created = os.open(self.path, os.O_RDWR), False
+                except FileNotFoundError:  # released in between: start over
+                    continue
             try:
                 if fcntl is None:
                     raise OSError(errno.ENOSYS, "no fcntl")
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                info = _read(fd)
-                os.close(fd)
-                self._cleanup_dir()
-                raise LockError(self.refusal(info)) from None
-            except OSError:  # no flock on this file system: fall back to the recorded pid
-                os.close(fd)
-                self._acquire_by_pid()
-                break
-            try:  # its last holder may have removed the file between our open and our flock: lock the new one
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:
-                os.close(fd)
-                continue
-            self.took_over = _read(fd)  # a released lock file is removed, so any content is a killed holder's
+                self._refuse(fd, flock=True)
+            except OSError:  # no flock here: a file we created is ours, an existing one its recorded holder's
+                if not created:
+                    info = _read(fd)
+                    if _alive(info):
+                        self._refuse(fd, flock=False)
+                    os.close(fd)
+                    self.took_over = info
+                    os.unlink(self.path)  # a dead holder's file: remove it, then create ours
+                    continue
+            else:
+                try:  # its last holder may have removed the file between our open and our flock: lock the new one
+                    same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                except FileNotFoundError:
+                    same = False
+                if not same:
+                    os.close(fd)
+                    continue
+                if not created:  # a released lock file is removed, so an existing one is a killed holder's
+                    self.took_over = _read(fd)
             self.fd = fd
-            self._write()
+        self._write()
         return self
+
+    def _refuse(self, fd: int, flock: bool):
+        info = _read(fd)
+        os.close(fd)
+        self._cleanup_dir()
+        raise LockError(self.refusal(info, flock))
 
     def probe(self) -> None:
         """Raise LockError when another process holds this lock; creates and changes nothing (a check before a
@@ -134,22 +150,6 @@ class FolderLock:
                 raise LockError(self.refusal(_read(fd), flock=False)) from None
         finally:
             os.close(fd)
-
-    def _acquire_by_pid(self) -> None:
-        while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
-                info = _read_file(self.path)
-                if _alive(info):
-                    self._cleanup_dir()
-                    raise LockError(self.refusal(info, flock=False)) from None
-                self.took_over = info
-                os.unlink(self.path)
-                continue
-            self.fd = fd
-            self._write()
-            return
 
     def _write(self) -> None:
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
