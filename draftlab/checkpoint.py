@@ -38,12 +38,11 @@ def is_disk_full(e: BaseException) -> bool:
 
 
 def describe_disk_full(e: BaseException) -> str:
-    """'no space left on device writing FILE' (a DiskFullError's own message already says what it was writing)."""
+    """'no space left on device writing FILE' for messages (a DiskFullError's own message says what it wrote)."""
     if isinstance(e, DiskFullError):
         return str(e)
-    where = f" writing {e.filename}" if getattr(e, "filename", None) else ""
-    return f"{e.strerror or 'no space left on device'}{where}".replace("No space left on device", "no space left "
-                                                                        "on device", 1)
+    reason = "disk quota exceeded" if e.errno == errno.EDQUOT else "no space left on device"
+    return reason + (f" writing {e.filename}" if getattr(e, "filename", None) else "")
 
 
 def intact_steps_text(out_dir: str | Path) -> str:

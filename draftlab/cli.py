@@ -171,7 +171,8 @@ def cmd_eval(argv: list[str]) -> None:
     prompts = load_prompts(args.prompts, limit=args.num_prompts)  # bad prompt files fail before the model loads
     target, tokenizer = load_target(args.target or checkpoint_target(folder), args.dtype, args.device)
     vocab = target.get_output_embeddings().weight.shape[0]
-    for name, value in (("--top-k", args.top_k if args.tree == "dynamic" else 0), ("--sampling-top-k", args.sampling_top_k)):
+    for name, value in (("--top-k", args.top_k if args.tree == "dynamic" else 0),
+                        ("--sampling-top-k", args.sampling_top_k)):
         if value > vocab:
             raise ConfigError(f"{name} {value} is above the target's vocabulary size {vocab}")
     adaptive = {k: v for k, v in (("adaptive_threshold", args.adaptive_threshold), ("min_draft", args.min_draft))

@@ -145,7 +145,7 @@ def build_store(path, target, tokenizer, dataset, feature_layers, topk_logits: i
             "rows": len(lengths), "tokens": sum(lengths), "data_hash": data_hash(dataset),
             "bytes_per_token": bytes_per_token(len(layers), hidden, dtype, topk_logits),
             "shard_tokens": int(shard_tokens), "shards": _plan_shards(lengths, shard_tokens), "complete": False}
-    lock, manifest = store_lock(path).acquire(), plan  # one builder at a time: a second one is refused, naming the first
+    lock, manifest = store_lock(path).acquire(), plan  # one builder at a time: a second one is refused
     try:
         manifest = _read_manifest(path)
         if manifest is None:
