@@ -301,12 +301,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    steps = step_folders(path)
-    if not steps:
-        raise CheckpointError(f"{path} holds no checkpoint: expected {CONFIG_NAME} or step_N folders")
-    best = path / "best"
+    best = path / "best"  # names a step folder (a run) or the native folder (an export)
     best = path / best.read_text(errors="replace").strip() if best.is_file() else None
-    order = ([best] if best in steps else []) + [p for p in reversed(steps) if p != best]
+    order = [best] if best is not None and best.parent == path and best.is_dir() else []
+    order += [p for p in reversed(step_folders(path)) if p not in order]
+    if not order:
+        raise CheckpointError(f"{path} holds no checkpoint: expected {CONFIG_NAME} or step_N folders")
     chosen, skipped = newest_usable(order)
     if chosen is None:
         raise CheckpointError(f"{path} holds no loadable checkpoint ({'; '.join(skipped)}): re-run or resume "

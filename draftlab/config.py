@@ -471,11 +471,6 @@ def validate(cfg) -> None:
         problem = range_problem(f"config key '{key}'", OmegaConf.select(cfg, key), interval)
         if problem:
             raise ConfigError(problem)
-    longest = {"chain": "draft_length", "dynamic": "depth"}.get(cfg.eval.tree)
-    if longest and cfg.eval.every > 0 and getattr(cfg.eval, longest) > cfg.eval.max_new_tokens:
-        raise ConfigError(f"config key 'eval.{longest}' is {getattr(cfg.eval, longest)}: it must not exceed "
-                          f"eval.max_new_tokens={cfg.eval.max_new_tokens} (a round cannot draft more tokens than "
-                          "are generated)")
     if cfg.drafter.kind == "medusa2" and cfg.drafter.lora_r < 1:
         raise ConfigError(f"config key 'drafter.lora_r' is {cfg.drafter.lora_r}: drafter.kind=medusa2 trains LoRA "
                           "adapters on the target, so it must be at least 1 (e.g. drafter.lora_r=32)")

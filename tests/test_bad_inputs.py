@@ -44,8 +44,6 @@ def config_error(args: list[str]) -> str:
     (["drafter.distill_temperature=0"], ["'drafter.distill_temperature'", "> 0"]),
     (["drafter.adaptive_threshold=1.5"], ["'drafter.adaptive_threshold'", "[0, 1]"]),
     (["drafter.draft_vocab_size=-2"], ["'drafter.draft_vocab_size'", "at least -1"]),
-    (["eval.draft_length=9", "eval.max_new_tokens=8"], ["'eval.draft_length' is 9", "eval.max_new_tokens=8"]),
-    (["eval.tree=dynamic", "eval.depth=9", "eval.max_new_tokens=8"], ["'eval.depth' is 9"]),
     (["hub.repo_id=me/bad--name"], ["hub.repo_id", "'me/bad--name'", "not a Hub model id"]),
     (["hub.repo_id=me/name.git"], ["hub.repo_id", "not a Hub model id"]),
     (["hub.repo_id=datasets/me/x"], ["hub.repo_id", "dataset repository"]),
