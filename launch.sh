@@ -26,6 +26,7 @@ Environment:
   NODE_RANK      rank of this node, 0 .. NNODES-1 (default 0)
   MASTER_ADDR    address of node 0 (default 127.0.0.1)
   MASTER_PORT    port on node 0 (default 29500)
+  PYTHON         interpreter for the check before the launch (default: python3 on PATH)
   ACCEL_CONFIG   accelerate config: a name in recipes/accelerate/ (without .yaml) or a path to a YAML file.
                  Default: single_gpu (1 process), multi_gpu (1 node, >1 GPU), multi_node (NNODES>1),
                  cpu_ddp (--cpu), deepspeed_zero2/3 (--deepspeed).
@@ -178,4 +179,11 @@ if ((dry_run)); then
 fi
 
 command -v accelerate >/dev/null 2>&1 || die "'accelerate' is not on PATH; install the project first: pip install -e ."
+# Check the configuration (and on node 0 the run folder) once, before any process starts: a mistake is then one
+# line and exit code 2, not one traceback per rank followed by the launcher's own. Other nodes check the
+# configuration only: node 0's run may already hold the run folder.
+python=${PYTHON:-$(command -v python3 || command -v python)} || die "no python on PATH"
+check=--check
+((NODE_RANK == 0)) || check=--check-config
+"$python" "$ROOT/draftlab/train.py" "$check" ${passthrough[@]+"${passthrough[@]}"} || exit $?
 exec env ${env_prefix[@]+"${env_prefix[@]}"} "${cmd[@]}"

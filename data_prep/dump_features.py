@@ -25,6 +25,7 @@ import torch
 
 from draftlab.data import ChatDataset, DataError, read_conversations
 from draftlab.store import build_store
+from draftlab.runlock import LockError
 from draftlab.target import TargetError, load_target
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -71,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         if not layers and args.topk == 0:
             raise DataError("nothing to store: give --layers and/or --topk")
         dataset = ChatDataset(conversations, tokenizer, args.max_length)
-        print(f"data: {len(dataset)} conversations ({stats.summary()})", flush=True)
+        print(f"data: {len(dataset)} conversations ({stats.summary()}{dataset.summary()})", flush=True)
         store = build_store(args.out, model, tokenizer, dataset, layers, args.topk, dtype=DTYPES[args.store_dtype],
                             batch_size=args.batch_size, shard_tokens=args.shard_tokens,
                             progress=not args.no_progress)
-    except (DataError, TargetError) as e:
+    except (DataError, TargetError, LockError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     m = store.manifest

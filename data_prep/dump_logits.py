@@ -24,6 +24,7 @@ if importlib.util.find_spec("draftlab") is None:  # run from a checkout without 
 
 from draftlab.data import ChatDataset, DataError, read_conversations
 from draftlab.store import build_store
+from draftlab.runlock import LockError
 from draftlab.target import TargetError, load_target
 
 
@@ -51,11 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.topk > vocab:
             raise DataError(f"--topk {args.topk} is more than the target's vocabulary ({vocab} tokens)")
         dataset = ChatDataset(conversations, tokenizer, args.max_length)
-        dropped = "".join(f", {n} dropped: {why}" for why, n in dataset.dropped.items())
-        print(f"data: {len(dataset)} conversations ({stats.summary()}{dropped})", flush=True)
+        print(f"data: {len(dataset)} conversations ({stats.summary()}{dataset.summary()})", flush=True)
         store = build_store(args.out, model, tokenizer, dataset, feature_layers=(), topk_logits=args.topk,
                             batch_size=args.batch_size, shard_tokens=args.shard_tokens, progress=not args.no_progress)
-    except (DataError, TargetError) as e:
+    except (DataError, TargetError, LockError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     m = store.manifest

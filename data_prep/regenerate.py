@@ -20,6 +20,7 @@ if importlib.util.find_spec("draftlab") is None:  # run from a checkout without 
 
 from draftlab.answers import answer_prompts
 from draftlab.data import DataError, load_prompts
+from draftlab.runlock import LockError
 from draftlab.target import TargetError, load_target
 
 
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         counts = answer_prompts(model, tokenizer, prompts, args.out, max_new_tokens=args.max_new_tokens,
                                 batch_size=args.batch_size, temperature=args.temperature,
                                 progress=not args.no_progress)
-    except (DataError, TargetError) as e:
+    except (DataError, TargetError, LockError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{args.out}: answered {counts['answered']} ({counts['eos']} ended, {counts['length']} hit "

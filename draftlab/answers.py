@@ -13,7 +13,9 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from draftlab.checkpoint import describe_disk_full, is_disk_full
 from draftlab.data import DataError, Prompt, encode_prompt
+from draftlab.runlock import FolderLock
 
 
 def read_done_ids(out_path: str) -> set[str]:
@@ -91,6 +93,22 @@ def answer_prompts(model, tokenizer, prompts: list[Prompt], out_path: str, max_n
 
     Greedy by default (temperature 0). Returns {"answered", "skipped", "eos", "length", "seconds"}.
     """
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    lock = FolderLock(out_path + ".lock", f"answers file {out_path}", "wait for that process to finish (or stop "
+                      "it), or write the answers to another file")
+    with lock:  # one writer: two processes appending to one file would answer every prompt twice
+        try:
+            return _answer_missing(model, tokenizer, prompts, out_path, max_new_tokens, batch_size, temperature,
+                                   progress)
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            raise DataError(f"{describe_disk_full(e)}: the rows answered so far are kept in {out_path}; free "
+                            "space, then run the same command again to answer the rest") from None
+
+
+def _answer_missing(model, tokenizer, prompts: list[Prompt], out_path: str, max_new_tokens: int, batch_size: int,
+                    temperature: float, progress: bool) -> dict:
     done = read_done_ids(out_path)
     todo, seen = [], set(done)
     for p in prompts:  # skip answered ids, and repeats within this prompt list
@@ -99,7 +117,6 @@ def answer_prompts(model, tokenizer, prompts: list[Prompt], out_path: str, max_n
             todo.append(p)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     counts = {"answered": 0, "skipped": len(prompts) - len(todo), "eos": 0, "length": 0}
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     t0, new_tokens = time.time(), 0
     bar = tqdm(total=len(todo), desc="answering", unit="prompt", disable=not progress)
     with open(out_path, "a", encoding="utf-8") as f:

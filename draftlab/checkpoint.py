@@ -7,10 +7,13 @@ crash while saving leaves the previous checkpoint intact.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import sys
+import zipfile
 from pathlib import Path
 
 import torch
@@ -23,6 +26,29 @@ STATE_NAME = "trainer_state.pt"
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message says which file and why."""
+
+
+class DiskFullError(CheckpointError):
+    """The disk (or quota) filled up while writing; the message says what was cleaned up and how to continue."""
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """An OSError for a full disk or an exhausted quota, or a DiskFullError raised for one."""
+    return isinstance(e, DiskFullError) or (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+
+
+def describe_disk_full(e: BaseException) -> str:
+    """'no space left on device writing FILE' for messages (a DiskFullError's own message says what it wrote)."""
+    if isinstance(e, DiskFullError):
+        return str(e)
+    reason = "disk quota exceeded" if e.errno == errno.EDQUOT else "no space left on device"
+    return reason + (f" writing {e.filename}" if getattr(e, "filename", None) else "")
+
+
+def intact_steps_text(out_dir: str | Path) -> str:
+    """Which checkpoints of a run survived, for messages: 'intact checkpoints in DIR: step_2, step_4'."""
+    steps = [p.name for p in step_folders(out_dir) if checkpoint_problem(p, resumable=True) is None]
+    return f"intact checkpoints in {out_dir}: {', '.join(steps) if steps else 'none yet'}"
 
 
 def trainable_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -57,18 +83,26 @@ def save_drafter(drafter: torch.nn.Module, folder: str | Path, extra_files: dict
     `state_dict` overrides `trainable_state_dict(drafter)` (e.g. weights gathered from ZeRO-3 shards);
     `staged=True` means `begin_save(folder)` was called already and the staging folder may hold other files."""
     folder = Path(folder)
-    tmp = staging_folder(folder) if staged else begin_save(folder)
-    if not tmp.is_dir():
-        raise CheckpointError(f"{tmp} is missing: call begin_save({folder}) before save_drafter(staged=True)")
-    save_file(trainable_state_dict(drafter) if state_dict is None else state_dict, str(tmp / WEIGHTS_NAME))
-    (tmp / CONFIG_NAME).write_text(json.dumps(drafter.drafter_config(), indent=2))
-    for name, tensors in (drafter.checkpoint_tensors() if hasattr(drafter, "checkpoint_tensors") else {}).items():
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / name))  # e.g. EAGLE-3's d2t/t2d
-    for name, text in (extra_files or {}).items():
-        (tmp / name).write_text(text)
-    if trainer_state is not None:
-        torch.save(trainer_state, tmp / STATE_NAME)
-    _sync_tree(tmp)
+    try:
+        tmp = staging_folder(folder) if staged else begin_save(folder)
+        if not tmp.is_dir():
+            raise CheckpointError(f"{tmp} is missing: call begin_save({folder}) before save_drafter(staged=True)")
+        save_file(trainable_state_dict(drafter) if state_dict is None else state_dict, str(tmp / WEIGHTS_NAME))
+        (tmp / CONFIG_NAME).write_text(json.dumps(drafter.drafter_config(), indent=2))
+        for name, tensors in (drafter.checkpoint_tensors() if hasattr(drafter, "checkpoint_tensors") else {}).items():
+            save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / name))  # e.g. EAGLE-3's d2t/t2d
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        if trainer_state is not None:
+            torch.save(trainer_state, tmp / STATE_NAME)
+        _sync_tree(tmp)
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        # a full disk: free what the partial folder took, so that the message's advice (free space) is enough
+        shutil.rmtree(staging_folder(folder), ignore_errors=True)
+        raise DiskFullError(f"no space left on device writing checkpoint {folder} (its partial "
+                            f"{staging_folder(folder).name} was removed)") from None
     _replace(tmp, folder)
     return folder
 
@@ -114,10 +148,14 @@ def write_text_atomic(path: str | Path, text: str) -> None:
     """Write a small text file (e.g. `best`) so that readers see the old or the new content, never a torn one."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # e.g. a full disk: the old content stays, no torn temporary file
+        raise
     os.replace(tmp, path)
 
 
@@ -147,9 +185,14 @@ def read_drafter_config(folder: str | Path) -> dict:
         raise CheckpointError(f"{folder} is not a drafter checkpoint: {CONFIG_NAME} is missing "
                               "(pass a run folder or one of its step_N folders)")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{path} is corrupt ({e.msg} at line {e.lineno}): re-save or pick another step") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path} is corrupt (not UTF-8 text): re-save or pick another step") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} is corrupt (not a JSON object): re-save or pick another step")
+    return config
 
 
 def load_drafter(folder: str | Path, target) -> torch.nn.Module:
@@ -205,22 +248,82 @@ def prune(out_dir: str | Path, keep_last: int, best_step: int | None) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def checkpoint_problem(folder: str | Path, resumable: bool = False) -> str | None:
+    """Why a step folder cannot be loaded, or None when it can: a missing or unparsable drafter config, a
+    safetensors file whose header is unreadable or whose size disagrees with it (a torn write), and with
+    `resumable` a missing trainer state or one that is not a complete torch archive. Reads headers only."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    if not (folder / CONFIG_NAME).is_file():
+        return f"{CONFIG_NAME} is missing"
+    try:
+        if not isinstance(json.loads((folder / CONFIG_NAME).read_text()), dict):
+            return f"{CONFIG_NAME} is not a JSON object"
+    except (ValueError, OSError) as e:
+        return f"{CONFIG_NAME} is corrupt ({type(e).__name__})"
+    if not (folder / WEIGHTS_NAME).is_file():
+        return f"{WEIGHTS_NAME} is missing"
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as e:
+            return f"{file.name} is truncated or corrupt ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+    if resumable:
+        if not (folder / STATE_NAME).is_file():
+            return f"{STATE_NAME} is missing"
+        try:
+            zipfile.ZipFile(folder / STATE_NAME).close()
+        except (zipfile.BadZipFile, OSError) as e:
+            return f"{STATE_NAME} is truncated or corrupt ({e})"
+    return None
+
+
+def newest_usable(candidates: list[Path], resumable: bool = False) -> tuple[Path | None, list[str]]:
+    """The first loadable step folder of `candidates` (in the order given) and 'step_N: why' for each one
+    skipped before it."""
+    skipped = []
+    for folder in candidates:
+        problem = checkpoint_problem(folder, resumable)
+        if problem is None:
+            return folder, skipped
+        skipped.append(f"{folder.name}: {problem}")
+    return None, skipped
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A run folder means its best step (or its latest when none was evaluated); a step folder means itself."""
+    """A run folder means its best step (or its latest when none was evaluated); a step folder means itself.
+    A damaged best / newest step of a run folder is skipped, with a warning on stderr naming it and why, for
+    the newest step that loads."""
     path = Path(path)
     if (path / CONFIG_NAME).is_file():
         return path
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    best = path / "best"
-    if best.is_file():
-        step = path / best.read_text().strip()
-        if (step / CONFIG_NAME).is_file():
-            return step
-    steps = step_folders(path)
-    if not steps:
+    best = path / "best"  # names a step folder (a run) or the native folder (an export)
+    best = path / best.read_text(errors="replace").strip() if best.is_file() else None
+    order = [best] if best is not None and best.parent == path and best.is_dir() else []
+    order += [p for p in reversed(step_folders(path)) if p not in order]
+    if not order:
         raise CheckpointError(f"{path} holds no checkpoint: expected {CONFIG_NAME} or step_N folders")
-    return steps[-1]
+    chosen, skipped = newest_usable(order)
+    if chosen is None:
+        raise CheckpointError(f"{path} holds no loadable checkpoint ({'; '.join(skipped)}): re-run or resume "
+                              "the training that wrote it")
+    if skipped:
+        _warn_once(f"checkpoint: skipped {'; '.join(skipped)}; using {chosen}")
+    return chosen
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(line: str) -> None:
+    """Print a warning line to stderr once per process (a run folder is often resolved more than once)."""
+    if line not in _warned:
+        _warned.add(line)
+        print(line, file=sys.stderr, flush=True)
 
 
 def save_trainer_state(folder: str | Path, state: dict) -> None:
@@ -231,4 +334,8 @@ def load_trainer_state(folder: str | Path) -> dict:
     path = Path(folder) / STATE_NAME
     if not path.is_file():
         raise CheckpointError(f"{path} is missing: this step cannot be resumed (it was saved without trainer state)")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CheckpointError(f"{path} is corrupt ({type(e).__name__}): resume from an earlier step_N "
+                              "folder (train.resume=PATH)") from None

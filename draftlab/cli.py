@@ -16,8 +16,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Exception types whose message is meant for the user: printed as one line, exit code 2."""
     from draftlab.checkpoint import CheckpointError
     from draftlab.config import ConfigError
+    from draftlab.runlock import LockError
 
-    errors: list[type[BaseException]] = [ConfigError, CheckpointError]
+    errors: list[type[BaseException]] = [ConfigError, CheckpointError, LockError]
     for module, name in (("draftlab.data", "DataError"), ("draftlab.target", "TargetError"),
                          ("draftlab.hub", "HubError")):
         try:
@@ -28,11 +29,21 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def run_guarded(fn) -> int:
-    """Run fn(); user errors become one line on stderr and exit code 2, Ctrl-C exit code 130."""
+    """Run fn(); user errors (and a full disk anywhere) become one line on stderr and exit code 2, Ctrl-C exit
+    code 130."""
+    from draftlab.checkpoint import describe_disk_full, is_disk_full
+
     try:
         fn()
     except user_errors() as e:
+        _end_progress_bars()
         print(f"draftlab: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        _end_progress_bars()
+        print(f"draftlab: error: {describe_disk_full(e)}: free some space and run the command again", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("draftlab: interrupted", file=sys.stderr)
@@ -40,8 +51,16 @@ def run_guarded(fn) -> int:
     return 0
 
 
+def _end_progress_bars() -> None:
+    """Close the progress bars an error interrupted, so that its line starts on a line of its own."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
 def eval_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="draftlab eval", description="Score a drafter by real speculative decoding.")
+    p = OneLineParser(prog="draftlab eval", description="Score a drafter by real speculative decoding.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="run folder (its best step) or step_N folder")
     src.add_argument("--proposer", choices=["prompt_lookup"], help="training-free proposer (needs --target)")
@@ -91,16 +110,46 @@ def checkpoint_target(folder: Path) -> str:
     from omegaconf import OmegaConf
 
     from draftlab.checkpoint import CheckpointError, read_drafter_config
+    from draftlab.config import load_yaml
 
     for cfg_file in (folder / "config.yaml", folder.parent / "config.yaml"):
         if cfg_file.is_file():
-            path = OmegaConf.select(OmegaConf.load(cfg_file), "target.path")
+            path = OmegaConf.select(load_yaml(cfg_file, "the run's config"), "target.path")
             if path:
                 return str(path)
     name = (read_drafter_config(folder).get("target") or {}).get("name_or_path")
     if not name:
         raise CheckpointError(f"cannot tell which target {folder} belongs to: pass --target PATH")
     return name
+
+
+def check_eval_args(args) -> None:
+    """Every numeric option in range, and no draft longer than the generation, before anything loads."""
+    from draftlab.config import SEEDS, ConfigError, range_problem
+
+    ranges = {"draft_length": "[1, inf)", "max_draft_length": "[1, inf)", "repeats": "[1, inf)", "max_new_tokens": "[1, inf)", "depth": "[1, inf)", "top_k": "[1, inf)",
+              "total_tokens": "[1, inf)", "temperature": "[0, inf)", "top_p": "(0, 1]", "sampling_top_k": "[0, inf)",
+              "num_prompts": "[1, inf)", "seed": SEEDS, "adaptive_threshold": "[0, 1]", "min_draft": "[1, inf)"}
+    for name, interval in ranges.items():
+        value = getattr(args, name)  # None: not given; "auto": chosen later
+        problem = None if value in (None, "auto") else range_problem(f"--{name.replace('_', '-')}", value, interval)
+        if problem:
+            raise ConfigError(problem)
+    longest = {"chain": "draft_length", "dynamic": "depth"}.get(args.tree)
+    if longest == "draft_length" and args.draft_length == "auto":
+        longest = "max_draft_length"
+    for name, value in ([(longest, getattr(args, longest))] if longest else []) + [
+            ("fixed_k", k) for k in parse_lengths(args.fixed_k)]:
+        if value > args.max_new_tokens:
+            raise ConfigError(f"--{name.replace('_', '-')} {value} is above --max-new-tokens {args.max_new_tokens}: "
+                              "a round cannot draft more tokens than are generated")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (what, and where to read more), exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -132,15 +181,18 @@ def cmd_eval(argv: list[str]) -> None:
         if not args.draft_length.isdigit():
             raise ConfigError(f"--draft-length {args.draft_length!r}: give a whole number of at least 1, or auto")
         args.draft_length = int(args.draft_length)
-    if (args.draft_length != "auto" and args.draft_length < 1) or args.max_new_tokens < 1 or args.repeats < 1 \
-            or args.max_draft_length < 1:
-        raise ConfigError("--draft-length, --max-draft-length, --max-new-tokens and --repeats must be at least 1")
+    check_eval_args(args)
     fixed_lengths = parse_lengths(args.fixed_k)
     folder = resolve_checkpoint(args.checkpoint) if args.checkpoint else None
     if folder is None and not args.target:
         raise ConfigError("--proposer prompt_lookup needs --target PATH (the model to speculate for)")
     prompts = load_prompts(args.prompts, limit=args.num_prompts)  # bad prompt files fail before the model loads
     target, tokenizer = load_target(args.target or checkpoint_target(folder), args.dtype, args.device)
+    vocab = target.get_output_embeddings().weight.shape[0]
+    for name, value in (("--top-k", args.top_k if args.tree == "dynamic" else 0),
+                        ("--sampling-top-k", args.sampling_top_k)):
+        if value > vocab:
+            raise ConfigError(f"{name} {value} is above the target's vocabulary size {vocab}")
     adaptive = {k: v for k, v in (("adaptive_threshold", args.adaptive_threshold), ("min_draft", args.min_draft))
                 if v is not None}
     if folder is not None:
@@ -255,10 +307,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "train":
-        from draftlab.config import load_config
-        from draftlab.train import main as train_main
+        from draftlab.train import cli as train_cli
 
-        return run_guarded(lambda: train_main(load_config(rest)))
+        return train_cli(rest)
     if command == "eval":
         return run_guarded(lambda: cmd_eval(rest))
     if command == "push":

@@ -10,6 +10,7 @@ the offending key and the valid choices, before anything expensive happens.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -259,6 +260,52 @@ CHOICES = {
     "drafter.acceptance_label": ("sampled", "greedy"),
 }
 TRACKERS = ("none", "jsonl", "tensorboard", "wandb")
+SEEDS = "[0, 4294967295]"  # numpy's seed range (accelerate's set_seed seeds numpy too)
+# Every numeric key's valid range, as an interval: [a, b] inclusive, (a, b) exclusive, inf = unbounded.
+RANGES = {
+    "seed": SEEDS, "eval.seed": SEEDS,
+    **dict.fromkeys(["train.max_steps", "train.batch_size", "train.grad_accum", "train.log_every",
+                     "train.bucket_batches", "data.max_length", "data.regenerate_max_new_tokens",
+                     "data.regenerate_batch_size", "eval.num_prompts", "eval.max_new_tokens", "eval.draft_length",
+                     "eval.depth", "eval.top_k", "eval.total_tokens", "drafter.num_layers", "drafter.ttt_steps",
+                     "drafter.medusa_heads", "drafter.medusa_tree_nodes", "drafter.rollout_tokens",
+                     "drafter.teacher_topk", "drafter.min_draft"], "[1, inf)"),
+    **dict.fromkeys(["train.lr", "train.weight_decay", "train.warmup_steps", "train.grad_clip", "train.save_every",
+                     "train.keep_last", "train.num_threads", "data.limit", "data.regenerate_num", "eval.every",
+                     "eval.repeats", "eval.temperature", "drafter.feature_noise", "drafter.reg_weight",
+                     "drafter.cls_weight",
+                     "drafter.medusa_layers", "drafter.medusa_weight", "drafter.lora_r", "drafter.lora_alpha",
+                     "drafter.kl_weight", "drafter.hidden_size", "drafter.num_attention_heads",
+                     "drafter.num_key_value_heads", "drafter.intermediate_size", "drafter.acceptance_layers",
+                     "drafter.reject_weight"], "[0, inf)"),
+    **dict.fromkeys(["drafter.student_ratio", "drafter.jsd_beta", "drafter.mix_ratio", "drafter.adaptive_threshold"],
+                    "[0, 1]"),
+    **dict.fromkeys(["train.adam_beta1", "train.adam_beta2", "drafter.lora_dropout"], "[0, 1)"),
+    **dict.fromkeys(["drafter.ttt_decay", "drafter.medusa_decay"], "(0, 1]"),
+    "drafter.distill_temperature": "(0, inf)",
+    "drafter.draft_vocab_size": "[-1, inf)",
+}
+
+
+def range_problem(name: str, value, interval: str) -> str | None:
+    """'NAME is V: it must ...' when value lies outside `interval` (e.g. "[1, inf)", "(0, 1]"), else None.
+    NaN and infinities never pass."""
+    low, high = (float(x) for x in interval[1:-1].split(","))
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{name} is {value}: it must be a finite number"
+    above = low < value if interval[0] == "(" else low <= value
+    below = value < high if interval[-1] == ")" else value <= high
+    if above and below:
+        return None
+    def show(x: float) -> str:
+        return str(int(x)) if x.is_integer() else str(x)
+    if high == math.inf and interval[0] == "[":
+        words = "not be negative" if low == 0 else f"be at least {show(low)}"
+    elif high == math.inf:
+        words = f"be > {show(low)}"
+    else:
+        words = f"lie in {interval[0]}{show(low)}, {show(high)}{interval[-1]}"
+    return f"{name} is {value}: it must {words}"
 
 
 def recipes_dir() -> Path:
@@ -292,10 +339,7 @@ def _load_recipe(name: str, seen: tuple[str, ...] = ()) -> DictConfig:
     if name in seen:
         raise ConfigError(f"recipe '{name}' includes itself through defaults: {' -> '.join(seen + (name,))}")
     path = _recipe_file(name)
-    try:
-        raw = OmegaConf.load(path)
-    except Exception as e:  # YAML syntax errors
-        raise ConfigError(f"cannot parse recipe {path}: {str(e).splitlines()[0]}") from None
+    raw = load_yaml(path, f"recipe {path}")
     if not isinstance(raw, DictConfig):
         raise ConfigError(f"recipe {path} must be a mapping of keys to values")
     bases = raw.pop("defaults", []) or []
@@ -303,6 +347,39 @@ def _load_recipe(name: str, seen: tuple[str, ...] = ()) -> DictConfig:
     for base in bases:
         merged = OmegaConf.merge(merged, _load_recipe(str(base), seen + (name,)))
     return OmegaConf.merge(merged, raw)
+
+
+def load_yaml(path: str | Path, what: str):
+    """OmegaConf.load with one-line errors that keep the YAML error's line and column."""
+    try:
+        return OmegaConf.load(path)
+    except UnicodeDecodeError as e:
+        data = Path(path).read_bytes()
+        line, column = data[:e.start].count(b"\n") + 1, e.start - data.rfind(b"\n", 0, e.start)
+        raise ConfigError(f"cannot parse {what}: {path}:{line}:{column}: not valid UTF-8 (byte "
+                          f"0x{data[e.start]:02x}): save the file as UTF-8") from None
+    except Exception as e:  # YAML syntax errors (yaml.MarkedYAMLError) and unreadable files
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        if mark is None:
+            raise ConfigError(f"cannot parse {what}: {path}: {(str(e).splitlines() or [type(e).__name__])[0]}") \
+                from None
+        raise ConfigError(f"cannot parse {what}: {path}:{mark.line + 1}:{mark.column + 1}: "
+                          f"{getattr(e, 'problem', None) or str(e).splitlines()[0]} (fix the YAML there)") from None
+
+
+def _check_sections(layer: DictConfig, origin: str, section: str = "") -> None:
+    """A section (target, data, train, ...) must be given keys, not a value: `train=3` or an empty `train:`
+    in a recipe would otherwise replace the whole section."""
+    for f in fields(_section_class(section)):
+        if not (is_dataclass(f.default_factory) and f.name in layer):
+            continue
+        key = ".".join(filter(None, [section, f.name]))
+        node = layer._get_node(f.name)
+        if not isinstance(node, DictConfig):
+            first = fields(f.default_factory)[0].name
+            raise ConfigError(f"{origin}: '{key}' is a section, not a value: set its keys, e.g. {key}.{first}=... "
+                              f"(in a recipe, indent them under '{key}:')")
+        _check_sections(node, origin, key)
 
 
 def _section_class(section: str):
@@ -340,6 +417,7 @@ def _field_type_name(key: str) -> str:
 
 
 def _merge(base: DictConfig, layer: DictConfig, origin: str) -> DictConfig:
+    _check_sections(layer, origin)
     try:
         return OmegaConf.merge(base, layer)
     except ConfigKeyError as e:
@@ -396,24 +474,19 @@ def validate(cfg) -> None:
         if tracker not in TRACKERS:
             raise ConfigError(f"config key 'tracking' names '{tracker}': choose from {', '.join(TRACKERS)} "
                               "(comma-separated for several)")
-    positive = ["train.max_steps", "train.batch_size", "train.grad_accum", "eval.draft_length",
-                "eval.max_new_tokens", "eval.num_prompts", "data.max_length", "eval.depth", "eval.top_k",
-                "eval.total_tokens"]
-    for key in positive:
-        if OmegaConf.select(cfg, key) < 1:
-            raise ConfigError(f"config key '{key}' is {OmegaConf.select(cfg, key)}: it must be at least 1")
-    for key in ["train.lr", "eval.every", "eval.repeats", "train.save_every", "train.keep_last", "eval.temperature",
-                "data.limit", "train.warmup_steps"]:
-        if OmegaConf.select(cfg, key) < 0:
-            raise ConfigError(f"config key '{key}' is {OmegaConf.select(cfg, key)}: it must not be negative")
-    for key in ["drafter.student_ratio", "drafter.jsd_beta", "drafter.mix_ratio"]:
-        if not 0.0 <= OmegaConf.select(cfg, key) <= 1.0:
-            raise ConfigError(f"config key '{key}' is {OmegaConf.select(cfg, key)}: it must lie in [0, 1]")
-    if cfg.drafter.distill_temperature <= 0:
-        raise ConfigError(f"config key 'drafter.distill_temperature' is {cfg.drafter.distill_temperature}: it must be > 0")
-    for key in ["drafter.rollout_tokens", "drafter.teacher_topk", "drafter.min_draft"]:
-        if OmegaConf.select(cfg, key) < 1:
-            raise ConfigError(f"config key '{key}' is {OmegaConf.select(cfg, key)}: it must be at least 1")
+    for key, interval in RANGES.items():
+        problem = range_problem(f"config key '{key}'", OmegaConf.select(cfg, key), interval)
+        if problem:
+            raise ConfigError(problem)
+    if cfg.drafter.kind == "medusa2" and cfg.drafter.lora_r < 1:
+        raise ConfigError(f"config key 'drafter.lora_r' is {cfg.drafter.lora_r}: drafter.kind=medusa2 trains LoRA "
+                          "adapters on the target, so it must be at least 1 (e.g. drafter.lora_r=32)")
+    if cfg.hub.repo_id:
+        from draftlab.hub import repo_id_problem
+
+        problem = repo_id_problem(cfg.hub.repo_id, "config key hub.repo_id")
+        if problem:
+            raise ConfigError(problem)
     if cfg.drafter.kind == "small_lm" and cfg.drafter.distill_mode == "offline_whitebox" and not cfg.data.store:
         raise ConfigError("drafter.distill_mode=offline_whitebox reads the target's top-k logits from a store: "
                           "set data.store=PATH (built on first use)")
@@ -440,4 +513,4 @@ def to_yaml(cfg) -> str:
 def load_saved(path: str | Path) -> RunConfig:
     """A run's saved config.yaml, checked against the current schema."""
     cfg = OmegaConf.structured(RunConfig)
-    return _merge(cfg, OmegaConf.load(path), str(path))
+    return _merge(cfg, load_yaml(path, "saved config"), str(path))

@@ -79,9 +79,19 @@ def iter_rows(source: str, split: str = "train") -> Iterator[tuple[str, object]]
         yield f"{source}[{i}]", row
 
 
+def _not_utf8(e: UnicodeError, raw: bytes = b"") -> RowError:
+    byte = f"byte 0x{raw[e.start]:02x} at column {e.start + 1}" if raw else "text that is not UTF-8"
+    return RowError(f"not valid UTF-8 ({byte}): save the file as UTF-8")
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is one bad row, not the end of the file
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                yield f"{path}:{lineno}", _not_utf8(e, raw)
+                continue
             if not line.strip():
                 continue
             try:
@@ -91,14 +101,18 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def _json_rows(path: Path) -> Iterator[tuple[str, object]]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+    try:  # bytes that are not UTF-8 become lone surrogates here, and their row a bad row below
+        data = json.loads(path.read_bytes().decode("utf-8-sig", errors="surrogateescape"))
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); a .json data file must hold one list "
                         "of rows (use .jsonl for one row per line)") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: a .json data file must hold a list of rows, found {type(data).__name__}")
     for i, row in enumerate(data):
+        try:
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            row = _not_utf8(e)
         yield f"{path}[{i}]", row
 
 
@@ -240,7 +254,8 @@ class ChatDataset(torch.utils.data.Dataset):
     """Conversations tokenised once: item i is {input_ids: list[int], loss_mask: list[int]}.
 
     Conversations with no assistant token left after truncation (or that the template rejects) are dropped;
-    `dropped` counts them by reason. `lengths[i]` is the token count of item i (for length bucketing).
+    `dropped` counts them by reason, `truncated` counts the kept ones cut at max_length, `summary()` says both.
+    `lengths[i]` is the token count of item i (for length bucketing).
     """
 
     def __init__(self, conversations: list[list[dict]], tokenizer, max_length: int | None):
@@ -249,17 +264,36 @@ class ChatDataset(torch.utils.data.Dataset):
                             "training data is tokenised with the target's chat template")
         self.rows: list[dict[str, list[int]]] = []
         self.dropped: Counter = Counter()
+        self.truncated, self.max_length = 0, max_length
         for messages in conversations:
             try:
-                row = encode_conversation(tokenizer, messages, max_length)
+                row = encode_conversation(tokenizer, messages, None)
             except DataError:
                 self.dropped["rejected by the chat template"] += 1
                 continue
             if not any(row["loss_mask"]):
-                self.dropped["no assistant token within max_length"] += 1
+                self.dropped["no assistant token (empty replies)"] += 1
                 continue
+            if max_length is not None and len(row["input_ids"]) > max_length:
+                row = {k: v[:max_length] for k, v in row.items()}
+                if not any(row["loss_mask"]):
+                    self.dropped[f"the prompt alone exceeds data.max_length={max_length} tokens"] += 1
+                    continue
+                self.truncated += 1
             self.rows.append(row)
         self.lengths = [len(r["input_ids"]) for r in self.rows]
+
+    def summary(self) -> str:
+        """'' when every conversation was kept whole, else '; N of M conversations dropped (K because ...);
+        T cut at data.max_length=L tokens' (appended to the reading stats' line)."""
+        text = ""
+        if self.dropped:
+            total = len(self.rows) + sum(self.dropped.values())
+            reasons = ", ".join(f"{n} because {why}" for why, n in self.dropped.most_common())
+            text += f"; {sum(self.dropped.values())} of {total} conversations dropped ({reasons})"
+        if self.truncated:
+            text += f"; {self.truncated} cut at data.max_length={self.max_length} tokens"
+        return text
 
     def __len__(self) -> int:
         return len(self.rows)

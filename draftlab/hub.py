@@ -30,7 +30,9 @@ from draftlab import checkpoint as ckpt
 NATIVE_DIR = "draftlab"          # the draftlab checkpoint inside an export
 MARKER = "export.json"           # what was exported, for re-rendering the card and for pushing an export as is
 REPORTS_DIR = "eval_reports"     # extra `--eval` reports, inside NATIVE_DIR
-REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+# ORG/NAME as the Hub accepts it: each part 1-96 of A-Z a-z 0-9 _ . -, not starting or ending with '.' or '-'
+_REPO_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+REPO_ID_RE = re.compile(rf"^{_REPO_PART}/{_REPO_PART}$")
 SPECULATORS_VERSION = "0.9.0"    # the speculators release whose config classes the EAGLE-3 export was checked with
 
 
@@ -310,6 +312,10 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str =
     src = Source(folder, target, tokenizer, target_path, base_model)
     fmt = pick_format(src.kind, fmt)
     out = Path(out_dir)
+    if out.exists() and not is_export(out) and (not out.is_dir() or any(out.iterdir())):
+        raise HubError(f"export folder {out_dir} already exists and is not a draftlab export: an export replaces "
+                       "its folder whole, so pass a new or empty folder (nothing was written)")
+    out = out.resolve() if out.name in ("", ".", "..") else out
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / NATIVE_DIR / REPORTS_DIR).mkdir(parents=True)
@@ -330,8 +336,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str =
         meta.pop("export_dir")                        # a local path, for exporters only
         (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
         write_card(tmp)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)        # nothing half-written is left behind
+        if ckpt.is_disk_full(e):
+            raise HubError(f"{ckpt.describe_disk_full(e)}: the partial export was removed and {out} (if any) is "
+                           "unchanged; free space and export again") from None
         raise
     ckpt._replace(tmp, out)
     return out
@@ -362,14 +371,26 @@ def default_export_dir(checkpoint: str | Path, repo_id: str) -> Path:
 # upload
 
 
-def check_repo_id(repo_id: str) -> None:
-    """ORG/NAME of a model repository; a dataset or Space id is refused before anything is written."""
+def repo_id_problem(repo_id: str, option: str = "--repo-id") -> str | None:
+    """Why the Hub would reject `repo_id` as a model repository id (one line), or None when it is valid."""
     kind = repo_id.split("/", 1)[0] if repo_id.count("/") == 2 else None
     if kind in ("datasets", "spaces"):
-        raise HubError(f"--repo-id {repo_id} names a {kind[:-1]} repository: draftlab pushes model repositories, "
-                       f"pass ORG/NAME ({repo_id.split('/', 1)[1]})")
-    if not REPO_ID_RE.match(repo_id or ""):
-        raise HubError(f"--repo-id {repo_id!r} is not a Hub model id: use ORG/NAME (letters, digits, '-', '_', '.')")
+        return (f"{option} {repo_id} names a {kind[:-1]} repository: draftlab pushes model repositories, "
+                f"pass ORG/NAME ({repo_id.split('/', 1)[1]})")
+    if not REPO_ID_RE.match(repo_id or "") or "--" in repo_id or ".." in repo_id or repo_id.endswith(".git"):
+        return (f"{option} {repo_id!r} is not a Hub model id: use ORG/NAME, each part 1-96 letters, digits, '-', "
+                "'_' or '.', not starting or ending with '-' or '.', without '--', '..' or a '.git' ending")
+    return None
+
+
+def check_repo_id(repo_id: str, option: str = "--repo-id") -> None:
+    """ORG/NAME of a model repository; anything the Hub would refuse is refused before anything is written."""
+    problem = repo_id_problem(repo_id, option)
+    if problem:
+        raise HubError(problem)
+
+
+REVISION_BAD = re.compile(r"[\s~^:?*\[\\]|\.\.|@\{|//|^[-/.]|[/.]$|\.lock$")
 
 
 def retry_command(export: Path, repo_id: str, private: bool, revision: str | None, message: str | None) -> str:
@@ -485,7 +506,9 @@ def retarget_export(export: Path, repo_id: str) -> None:
 
 
 def push_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="draftlab push", description="Export a drafter for serving engines, with a "
+    from draftlab.cli import OneLineParser
+
+    p = OneLineParser(prog="draftlab push", description="Export a drafter for serving engines, with a "
                                 "model card of its measured acceptance length, and upload it to the Hub.")
     p.add_argument("checkpoint", help="run folder (its best step), step_N folder, or an export folder")
     p.add_argument("--repo-id", help="Hub model repository ORG/NAME (required unless --to)")
@@ -509,8 +532,11 @@ def cmd_push(argv: list[str]) -> None:
         raise HubError("give --repo-id ORG/NAME to upload, or --to DIR for a local export only")
     if args.repo_id:
         check_repo_id(args.repo_id)
-    if args.base_model and not REPO_ID_RE.match(args.base_model):
-        raise HubError(f"--base-model {args.base_model} is not a Hub model id: use ORG/NAME")
+    if args.base_model:
+        check_repo_id(args.base_model, "--base-model")
+    if args.revision is not None and REVISION_BAD.search(args.revision or "/"):
+        raise HubError(f"--revision {args.revision!r} is not a valid branch name: use letters, digits, '-', '_', "
+                       "'.' and '/', e.g. --revision v1 (no spaces, '..', '~^:?*[\\', or a leading '-')")
     options = dict(fmt=args.format, target_path=args.target, base_model=args.base_model, eval_reports=args.eval,
                    license=args.license)
     if args.to:

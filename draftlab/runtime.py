@@ -61,6 +61,37 @@ def make_accelerator(cfg, out_dir: Path) -> Accelerator:
     return accelerator
 
 
+def run_lock(out_dir: Path):
+    """The lock that makes a run folder single-writer (see draftlab/runlock.py)."""
+    from draftlab.runlock import LOCK_NAME, FolderLock
+
+    return FolderLock(Path(out_dir) / LOCK_NAME, f"run folder {out_dir}",
+                      "wait for that run to end (or stop it), or choose another out_dir (nothing was written)")
+
+
+def lock_run_folder(out_dir: Path, accelerator):
+    """Take the run folder's lock for the whole run (main process). Every process learns the outcome, so all of
+    them stop with the same line naming the holder, or all go on. Returns the lock (None on other ranks)."""
+    from accelerate.utils import broadcast_object_list
+
+    from draftlab.runlock import LockError, stale_note
+
+    lock, refused = None, None
+    if accelerator.is_main_process:
+        try:
+            lock = run_lock(out_dir).acquire()
+        except LockError as e:
+            refused = str(e)
+    if accelerator.num_processes > 1:
+        refused = broadcast_object_list([refused])[0]
+    if refused:
+        raise LockError(refused)
+    note = stale_note(lock) if lock is not None else None
+    if note:
+        print(note, flush=True)
+    return lock
+
+
 def is_deepspeed(accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.DEEPSPEED
 

@@ -29,7 +29,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from draftlab.checkpoint import describe_disk_full, is_disk_full
 from draftlab.data import DataError
+from draftlab.runlock import LOCK_NAME, FolderLock
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -143,37 +145,56 @@ def build_store(path, target, tokenizer, dataset, feature_layers, topk_logits: i
             "rows": len(lengths), "tokens": sum(lengths), "data_hash": data_hash(dataset),
             "bytes_per_token": bytes_per_token(len(layers), hidden, dtype, topk_logits),
             "shard_tokens": int(shard_tokens), "shards": _plan_shards(lengths, shard_tokens), "complete": False}
-    manifest = _read_manifest(path)
-    if manifest is None:
-        path.mkdir(parents=True, exist_ok=True)
-        manifest = plan
-        _write_json(path / MANIFEST, manifest)
-    else:
-        _check_same_plan(path, manifest, plan)
-    for tmp in path.glob("*.tmp"):                    # a shard or manifest cut off by the interruption
-        tmp.unlink()
+    lock, manifest = store_lock(path).acquire(), plan  # one builder at a time: a second one is refused
+    try:
+        manifest = _read_manifest(path)
+        if manifest is None:
+            path.mkdir(parents=True, exist_ok=True)
+            manifest = plan
+            _write_json(path / MANIFEST, manifest)
+        else:
+            _check_same_plan(path, manifest, plan)
+        for tmp in path.glob("*.tmp"):                    # a shard or manifest cut off by the interruption
+            tmp.unlink()
 
-    done = [s for s in manifest["shards"] if s["sha256"] and _shard_intact(path, s)]
-    todo = [i for i, s in enumerate(manifest["shards"]) if s not in done]
-    print(f"feature store {path}: {plan['rows']} conversations, {plan['tokens']} tokens x "
-          f"{plan['bytes_per_token']} bytes = {_human(plan['tokens'] * plan['bytes_per_token'])} on disk"
-          + (f" ({len(done)} of {len(manifest['shards'])} shards already written)" if done else ""), flush=True)
-    bar = tqdm(total=plan["tokens"], initial=sum(s["tokens"] for s in done), unit="tok", desc="features",
-               disable=not progress, dynamic_ncols=True)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    for i in todo:
-        shard = manifest["shards"][i]
-        tensors = _shard_tensors(target, dataset, range(*shard["rows"]), layers, topk_logits, dtype, batch_size,
-                                 pad, bar)
-        file = path / shard["file"]
-        _write_shard(tensors, file)
-        shard["sha256"], shard["bytes"] = _sha256(file), file.stat().st_size
+        done = [s for s in manifest["shards"] if s["sha256"] and _shard_intact(path, s)]
+        todo = [i for i, s in enumerate(manifest["shards"]) if s not in done]
+        print(f"feature store {path}: {plan['rows']} conversations, {plan['tokens']} tokens x "
+              f"{plan['bytes_per_token']} bytes = {_human(plan['tokens'] * plan['bytes_per_token'])} on disk"
+              + (f" ({len(done)} of {len(manifest['shards'])} shards already written)" if done else ""), flush=True)
+        bar = tqdm(total=plan["tokens"], initial=sum(s["tokens"] for s in done), unit="tok", desc="features",
+                   disable=not progress, dynamic_ncols=True)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        for i in todo:
+            shard = manifest["shards"][i]
+            tensors = _shard_tensors(target, dataset, range(*shard["rows"]), layers, topk_logits, dtype, batch_size,
+                                     pad, bar)
+            file = path / shard["file"]
+            _write_shard(tensors, file)
+            shard["sha256"], shard["bytes"] = _sha256(file), file.stat().st_size
+            _write_json(path / MANIFEST, manifest)
+        bar.close()
+        manifest["complete"] = True
         _write_json(path / MANIFEST, manifest)
-    bar.close()
-    manifest["complete"] = True
-    _write_json(path / MANIFEST, manifest)
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        for tmp in path.glob("*.tmp"):  # the cut-off shard: its space goes back, finished shards stay
+            tmp.unlink(missing_ok=True)
+        finished = sum(1 for s in manifest["shards"] if s["sha256"])
+        left = sum(s["tokens"] for s in manifest["shards"] if not s["sha256"]) * plan["bytes_per_token"]
+        raise StoreError(f"{describe_disk_full(e)} (feature store {path} needs about {_human(left)} more; its "
+                         f"{finished} finished shards are kept): free space, then run the same build again to "
+                         "resume it") from None
+    finally:
+        lock.release()
     return open_store(path, target, tokenizer=tokenizer, dataset=dataset, feature_layers=feature_layers,
                       topk_logits=topk_logits)
+
+
+def store_lock(path: Path) -> FolderLock:
+    return FolderLock(path / LOCK_NAME, f"feature store {path}", "wait for that build to finish (or stop it), or "
+                      "choose another store path")
 
 
 def _check_same_plan(path: Path, old: dict, new: dict) -> None:

@@ -36,15 +36,33 @@ from draftlab.config import ConfigError, load_config, to_yaml
 
 
 def main(cfg) -> dict:
-    """Run one training job described by a RunConfig; returns a summary dict (best step, tau, ...)."""
-    from draftlab.data import ChatDataset, read_conversations
-    from draftlab.drafters import DRAFTERS
-    from draftlab.target import load_target
-
+    """Run one training job described by a RunConfig; returns a summary dict (best step, tau, ...).
+    The run folder is locked for the whole run: a second start there (also a resume while this run goes on) is
+    refused with one line naming this process. A full disk stops the run with one line saying which checkpoints
+    are intact and how to continue."""
     out_dir = Path(cfg.out_dir)
     if cfg.train.num_threads > 0:
         torch.set_num_threads(cfg.train.num_threads)
     accelerator = runtime.make_accelerator(cfg, out_dir)
+    lock = runtime.lock_run_folder(out_dir, accelerator)
+    try:
+        return train(cfg, out_dir, accelerator)
+    except (OSError, ckpt.DiskFullError) as e:
+        if not ckpt.is_disk_full(e):
+            raise
+        raise ckpt.DiskFullError(f"{ckpt.describe_disk_full(e)}; {ckpt.intact_steps_text(out_dir)}: free some space, "
+                                 "then continue the run with train.resume=auto (same arguments)") from None
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def train(cfg, out_dir: Path, accelerator) -> dict:
+    """The run itself, top to bottom (main() holds the run folder's lock around it)."""
+    from draftlab.data import ChatDataset, read_conversations
+    from draftlab.drafters import DRAFTERS
+    from draftlab.target import load_target
+
     is_main, world = accelerator.is_main_process, accelerator.num_processes
     resume_from = find_resume_folder(cfg, out_dir, accelerator)  # refuses to overwrite a run before any loading
     set_seed(cfg.seed)
@@ -56,13 +74,16 @@ def main(cfg) -> dict:
     conversations, stats = read_conversations(cfg.data.train, strict=cfg.data.strict, limit=cfg.data.limit or None)
     dataset = ChatDataset(conversations, tokenizer, cfg.data.max_length)
     if len(dataset) == 0:
-        raise ConfigError(f"data.train {cfg.data.train} has no usable conversation "
-                          f"({stats}): check the file's format (messages / conversations / prompt+response)")
+        too_long = any("max_length" in why for why in dataset.dropped)
+        fix = (f"raise data.max_length (now {cfg.data.max_length})" if too_long else
+               "check the file's format (messages / conversations / prompt+response)")
+        raise ConfigError(f"data.train {cfg.data.train} has no usable conversation ({stats}{dataset.summary()}): "
+                          f"{fix}")
     batches = runtime.Batches(dataset, cfg.train.batch_size, world, accelerator.process_index, cfg.seed,
                               pad_token_id=pad_id(tokenizer), bucketed=cfg.train.bucketed,
                               bucket_batches=cfg.train.bucket_batches)
     if is_main:
-        print(f"data: {len(dataset)} conversations from {cfg.data.train} ({stats})", flush=True)
+        print(f"data: {len(dataset)} conversations from {cfg.data.train} ({stats}{dataset.summary()})", flush=True)
 
     # --- drafter, optimiser, schedule --------------------------------------------------------------------
     drafter = DRAFTERS[cfg.drafter.kind].from_target(target, cfg.drafter).to(accelerator.device)
@@ -192,25 +213,47 @@ def main(cfg) -> dict:
 
 def find_resume_folder(cfg, out_dir: Path, accelerator) -> Path | None:
     """The step folder to resume from, or None for a fresh run; refuses to overwrite an existing run.
-    With resume=auto, an interrupted save is cleaned up first (main process) and the newest complete step
-    folder that has trainer state is chosen."""
+    With resume=auto, an interrupted save is cleaned up first (main process) and the newest step folder that
+    is complete and loadable (trainer state included) is chosen; damaged newer ones are named and skipped."""
     if cfg.train.resume == "auto" and accelerator.is_main_process:
         for line in ckpt.recover_interrupted_saves(out_dir):
             print(f"resume: {line}", flush=True)
     accelerator.wait_for_everyone()
+    check_run_folder(cfg, out_dir)
     existing = ckpt.step_folders(out_dir)
     if cfg.train.resume == "":
-        if existing:
-            raise ConfigError(f"out_dir {out_dir} already holds a run ({existing[-1].name}): pass train.resume=auto "
-                              "to continue it, or choose another out_dir (nothing was overwritten)")
         return None
     if cfg.train.resume == "auto":
-        resumable = [p for p in existing if (p / ckpt.STATE_NAME).is_file()]
-        return resumable[-1] if resumable else None
+        chosen, skipped = ckpt.newest_usable(existing[::-1], resumable=True)
+        if existing and chosen is None:
+            raise ConfigError(f"train.resume=auto: no step of {out_dir} can be resumed ({'; '.join(skipped)}): "
+                              "choose another out_dir (nothing was overwritten)")
+        if skipped and accelerator.is_main_process:
+            print(f"resume: skipped {'; '.join(skipped)}; resuming from {chosen.name}", flush=True)
+        return chosen
+    return Path(cfg.train.resume)
+
+
+def check_run_folder(cfg, out_dir: Path) -> None:
+    """Refuse a fresh run into a folder that holds one, and a resume from a folder with no trainer state."""
+    existing = ckpt.step_folders(out_dir)
+    if cfg.train.resume == "" and existing:
+        raise ConfigError(f"out_dir {out_dir} already holds a run ({existing[-1].name}): pass train.resume=auto "
+                          "to continue it, or choose another out_dir (nothing was overwritten)")
     path = Path(cfg.train.resume)
-    if not (path / ckpt.STATE_NAME).is_file():
+    if cfg.train.resume not in ("", "auto") and not (path / ckpt.STATE_NAME).is_file():
         raise ConfigError(f"train.resume={path}: no {ckpt.STATE_NAME} there; pass a step_N folder of a run or 'auto'")
-    return path
+
+
+def check(cfg, run_folder: bool = True) -> None:
+    """`train.py --check`: everything that can be verified before any process starts (launch.sh runs it first, so
+    that a mistake is one line and exit code 2, not one traceback per rank): the configuration (load_config has
+    checked it), and with `run_folder` that out_dir is not in use by another run and the resume setting fits it.
+    `--check-config` (run_folder=False) is for the other nodes of a multi-node launch, where node 0's run may
+    already hold the run folder."""
+    if run_folder:
+        runtime.run_lock(Path(cfg.out_dir)).probe()
+        check_run_folder(cfg, Path(cfg.out_dir))
 
 
 def pad_id(tokenizer) -> int:
@@ -434,10 +477,14 @@ def print_summary(summary: dict) -> None:
 
 
 def cli(argv: list[str] | None = None) -> int:
-    """Entry point shared by `python draftlab/train.py`, `accelerate launch` and `draftlab train`."""
+    """Entry point shared by `python draftlab/train.py`, `accelerate launch` and `draftlab train`; a first argument
+    `--check` / `--check-config` only checks (see check())."""
     from draftlab.cli import run_guarded
 
-    return run_guarded(lambda: main(load_config(list(sys.argv[1:] if argv is None else argv))))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--check"], ["--check-config"]):
+        return run_guarded(lambda: check(load_config(argv[1:]), run_folder=argv[0] == "--check"))
+    return run_guarded(lambda: main(load_config(argv)))
 
 
 if __name__ == "__main__":

@@ -148,8 +148,12 @@ def test_kill_9_mid_training_then_resume_auto_matches_an_uninterrupted_run(
 
 
 def test_crash_raised_while_writing_a_checkpoint(uninterrupted, tiny_target_dir, tiny_chat_file, tmp_path,
-                                                 monkeypatch, tiny_target):
-    """The third weights write (step 6) fails half-way: step 4 stays complete and loadable, resume=auto picks it."""
+                                                 monkeypatch, tiny_target, capsys):
+    """The third weights write (step 6) fails half-way on a full disk: the partial folder is removed, the run stops
+    with one line (exit 2) naming the intact checkpoints and the resume setting, step 4 stays complete and
+    loadable, resume=auto picks it."""
+    from draftlab.cli import run_guarded
+
     from safetensors.torch import save
 
     out, calls, real = tmp_path / "run", {"n": 0}, ckpt.save_file
@@ -163,11 +167,16 @@ def test_crash_raised_while_writing_a_checkpoint(uninterrupted, tiny_target_dir,
         return real(tensors, path, *a, **k)
 
     monkeypatch.setattr(ckpt, "save_file", failing_save_file)
-    with pytest.raises(OSError, match="No space"):
-        main(load_config(args(tiny_target_dir, tiny_chat_file, out)))
+    capsys.readouterr()
+    assert run_guarded(lambda: main(load_config(args(tiny_target_dir, tiny_chat_file, out)))) == 2
     monkeypatch.setattr(ckpt, "save_file", real)
+    err = capsys.readouterr().err  # progress bars, then the error
+    lines = [line for line in err.splitlines() if line.startswith("draftlab:")]
+    assert "Traceback" not in err and len(lines) == 1, err[-2000:]
+    assert "no space left on device" in lines[0] and "step_6" in lines[0], lines
+    assert f"intact checkpoints in {out}: step_2, step_4" in lines[0] and "train.resume=auto" in lines[0]
 
-    assert (out / "step_6.tmp").is_dir() and not (out / "step_6").exists()
+    assert not (out / "step_6.tmp").exists() and not (out / "step_6").exists()  # the partial folder is gone
     assert [p.name for p in ckpt.step_folders(out)] == ["step_2", "step_4"]
     assert ckpt.resolve_checkpoint(out).name == "step_4"
     target, _ = tiny_target
