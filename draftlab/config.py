@@ -86,6 +86,11 @@ class DrafterConfig:
     error). Acceptance heads use their base drafter's."""
     init_from_target: bool = False
     """eagle, eagle3: start the head's decoder layer from the target's last decoder layer (data-efficient start)."""
+    harmonized_steps: int = 1
+    """eagle: HASS harmonized context alignment: forwards per batch, step j fed the head's own step j-1 features
+    (as a draft node at depth j+1 sees them); 1 = plain EAGLE training (method_specs 2.4)."""
+    topk_weight: float = 0.0
+    """eagle: weight of HASS's top-K distillation term (the soft CE on the target's 10 most likely tokens)."""
     medusa_heads: int = 4
     """Medusa: number of heads (head k, 1-based, predicts token t+1+k)."""
     medusa_layers: int = 1
@@ -268,13 +273,12 @@ RANGES = {
                      "train.bucket_batches", "data.max_length", "data.regenerate_max_new_tokens",
                      "data.regenerate_batch_size", "eval.num_prompts", "eval.max_new_tokens", "eval.draft_length",
                      "eval.depth", "eval.top_k", "eval.total_tokens", "drafter.num_layers", "drafter.ttt_steps",
-                     "drafter.medusa_heads", "drafter.medusa_tree_nodes", "drafter.rollout_tokens",
+                     "drafter.harmonized_steps", "drafter.medusa_heads", "drafter.medusa_tree_nodes", "drafter.rollout_tokens",
                      "drafter.teacher_topk", "drafter.min_draft"], "[1, inf)"),
     **dict.fromkeys(["train.lr", "train.weight_decay", "train.warmup_steps", "train.grad_clip", "train.save_every",
                      "train.keep_last", "train.num_threads", "data.limit", "data.regenerate_num", "eval.every",
                      "eval.repeats", "eval.temperature", "drafter.feature_noise", "drafter.reg_weight",
-                     "drafter.cls_weight",
-                     "drafter.medusa_layers", "drafter.medusa_weight", "drafter.lora_r", "drafter.lora_alpha",
+                     "drafter.topk_weight", "drafter.cls_weight", "drafter.medusa_layers", "drafter.medusa_weight", "drafter.lora_r", "drafter.lora_alpha",
                      "drafter.kl_weight", "drafter.hidden_size", "drafter.num_attention_heads",
                      "drafter.num_key_value_heads", "drafter.intermediate_size", "drafter.acceptance_layers",
                      "drafter.reject_weight"], "[0, inf)"),

@@ -32,7 +32,7 @@ from draftlab import vocab
 from draftlab.vocab import expand_logits
 
 _DEFAULTS = {"num_layers": 1, "feature_noise": 0.2, "reg_weight": 1.0, "cls_weight": 0.1, "fc_bias": True,
-             "draft_vocab_size": 0, "init_from_target": False}
+             "draft_vocab_size": 0, "init_from_target": False, "harmonized_steps": 1, "topk_weight": 0.0}
 
 
 def _additive(visible: Tensor, dtype: torch.dtype) -> Tensor:
@@ -40,6 +40,39 @@ def _additive(visible: Tensor, dtype: torch.dtype) -> Tensor:
     mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     mask.masked_fill_(~visible, torch.finfo(dtype).min)
     return mask if mask.dim() == 4 else mask.view(-1, 1, *mask.shape[-2:])
+
+
+def ttt_mask(valid: Tensor, step: int) -> Tensor:
+    """Visibility of training-time-test step `step`'s queries, bool [B, n, (step+1) n]: block 0 = step-0 slots
+    0..t that are valid (plus t itself at step 0, so no row is empty), then one identity block per step 1..step:
+    slot t at step j sees the real context up to t and its own earlier steps, as a draft node at depth j+1 does."""
+    n = valid.shape[1]
+    causal = torch.ones(n, n, dtype=torch.bool, device=valid.device).tril()
+    eye = torch.eye(n, dtype=torch.bool, device=valid.device)
+    first = causal & valid[:, None, :]
+    if step == 0:
+        return first | eye
+    return torch.cat([first] + [eye.expand_as(first)] * step, dim=-1)
+
+
+def own_feature_steps(head: nn.Module, first: Tensor, input_ids: Tensor, valid: Tensor, steps: int,
+                      detach: bool = False) -> list[Tensor]:
+    """Training-time test (EAGLE-3) / harmonized context alignment (HASS): the head's outputs o^{(j)} [B,n,d] for
+    steps j = 0..min(steps, n)-1. Step 0 reads `first` [B,n,F] (target features of slots t = 0..n-1) with token
+    x_{t+1}; step j reads the head's own step j-1 output at slot t with token x_{t+1+j}, at position t+j, over a
+    KV cache of the earlier steps (`ttt_mask`). input_ids [B,n+1] (x_0..x_n); valid [B,n] bool (slot t is a real
+    pair). detach: feed the own outputs back without gradient (HASS) or with it (EAGLE-3)."""
+    n = valid.shape[1]
+    dtype = first.dtype
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)           # left padding is harmless
+    hidden, cache, outputs = first, DynamicCache(), []
+    for j in range(min(steps, n)):
+        tokens = torch.zeros_like(input_ids[:, 1:])
+        tokens[:, : n - j] = input_ids[:, 1 + j:]                     # x_{t+1+j}; past the row: ignored
+        mask = _additive(ttt_mask(valid, j)[:, None], dtype)
+        hidden = head(hidden.detach() if detach and j > 0 else hidden, tokens, positions + j, mask, cache)
+        outputs.append(hidden)
+    return outputs
 
 
 class EagleHead(nn.Module):
@@ -54,7 +87,8 @@ class EagleHead(nn.Module):
 
     def __init__(self, target, num_layers: int = 1, feature_noise: float = 0.2, reg_weight: float = 1.0,
                  cls_weight: float = 0.1, fc_bias: bool = True, draft_vocab_size: int = 0,
-                 init_from_target: bool = False, draft_vocab: list[int] | None = None):
+                 init_from_target: bool = False, harmonized_steps: int = 1, topk_weight: float = 0.0,
+                 draft_vocab: list[int] | None = None):
         super().__init__()
         decoder = target.get_decoder()
         config = copy.deepcopy(target.config.get_text_config(decoder=True))
@@ -68,6 +102,9 @@ class EagleHead(nn.Module):
         self.reg_weight, self.cls_weight, self.fc_bias = reg_weight, cls_weight, fc_bias
         vocab.check_size(draft_vocab_size)
         self.draft_vocab_size, self.init_from_target = draft_vocab_size, init_from_target
+        if harmonized_steps < 1:
+            raise ValueError(f"drafter.harmonized_steps={harmonized_steps}: at least 1 (1 = plain EAGLE training)")
+        self.harmonized_steps, self.topk_weight = harmonized_steps, topk_weight
         self.hidden_size, self.vocab_size = config.hidden_size, config.vocab_size
         from draftlab.target import target_fingerprint
         self.target_fingerprint = target_fingerprint(target)
@@ -172,40 +209,48 @@ class EagleHead(nn.Module):
 
     def loss(self, batch: dict, features: Tensor) -> tuple[Tensor, dict[str, float]]:
         """batch: input_ids, attention_mask, loss_mask [B,T]; features [B,T,d] = target features f_t.
-        Returns reg_weight * L_reg + cls_weight * L_cls (see the module docstring for the alignment)."""
-        from draftlab.losses import masked_smooth_l1, soft_cross_entropy
+        Returns the sum over harmonized steps j of reg_weight * L_reg + cls_weight * L_cls (+ topk_weight * L_topk),
+        see the module docstring for the alignment; one step is plain EAGLE training."""
+        from draftlab.losses import masked_smooth_l1, soft_cross_entropy, topk_cross_entropy
 
         ids, attn = batch["input_ids"], batch["attention_mask"].bool()
         features = features.to(self.fc.weight.dtype)
         valid = attn[:, :-1] & attn[:, 1:]                               # [B,T-1]: f_t and x_{t+1} both real
-        weight = torch.zeros_like(valid, dtype=features.dtype)
-        weight[:, :-1] = (batch["loss_mask"][:, 2:].bool() & attn[:, 2:]).to(features.dtype)
-        weight = weight * valid
+        wanted = batch["loss_mask"].bool() & attn
+        n = valid.shape[1]
 
-        inputs, target = features[:, :-1], features[:, 1:]
+        inputs = features[:, :-1]
         if self.training and self.feature_noise > 0:
             inputs = inputs + (torch.rand_like(inputs) - 0.5) * self.feature_noise
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        n = valid.shape[1]
-        causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
-        eye = torch.eye(n, dtype=torch.bool, device=ids.device)
-        # Padded keys are hidden; every query sees itself so no row is fully masked.
-        visible = (causal & valid[:, None, :]) | eye
-        pred = self(inputs, ids[:, 1:], positions, _additive(visible[:, None], features.dtype))
-
-        loss_reg = masked_smooth_l1(pred.float(), target.float(), weight)
-        # The vocabulary projection dominates the step: run it only where the loss looks ([N, V], N = weighted pairs).
-        keep = weight > 0
-        # Over a draft vocabulary both sides use its rows only: the target's distribution renormalised on it.
-        logits = self.draft_head.small(pred[keep])[None]
-        with torch.no_grad():
-            target_logits = self.draft_head.small(target[keep])[None]
-        sel_weight = weight[keep][None]
-        loss_cls = soft_cross_entropy(logits, target_logits, sel_weight)
-        total = self.reg_weight * loss_reg + self.cls_weight * loss_cls
-        agree = (logits.argmax(-1) == target_logits.argmax(-1)).to(weight.dtype)
-        acc = (agree * sel_weight).sum() / sel_weight.sum().clamp(min=1)
-        return total, {"loss_reg": loss_reg.item(), "loss_cls": loss_cls.item(), "acc": acc.item()}
+        outputs = own_feature_steps(self, inputs, ids, valid, self.harmonized_steps, detach=True)
+        total, metrics = features.new_zeros(()), {}
+        for j, pred in enumerate(outputs):
+            # step j, slot t: o^{(j)}_t predicts f_{t+1+j} and drafts x_{t+2+j}, which must be an assistant token
+            target = torch.zeros_like(pred)
+            target[:, : n - j] = features[:, 1 + j:]
+            weight = torch.zeros_like(valid, dtype=features.dtype)
+            if n - 1 - j > 0:
+                weight[:, : n - 1 - j] = (wanted[:, 2 + j:] & attn[:, 1 + j: -1]).to(features.dtype)
+            weight = weight * valid
+            loss_reg = masked_smooth_l1(pred.float(), target.float(), weight)
+            # The vocabulary projection dominates the step: run it only where the loss looks ([N, V], N = pairs).
+            keep = weight > 0
+            # Over a draft vocabulary both sides use its rows only: the target's distribution renormalised on it.
+            logits = self.draft_head.small(pred[keep])[None]
+            with torch.no_grad():
+                target_logits = self.draft_head.small(target[keep])[None]
+            sel_weight = weight[keep][None]
+            loss_cls = soft_cross_entropy(logits, target_logits, sel_weight)
+            step_loss = self.reg_weight * loss_reg + self.cls_weight * loss_cls
+            if self.topk_weight > 0:     # HASS: extra weight on the target's top-10 tokens
+                step_loss = step_loss + self.topk_weight * topk_cross_entropy(logits, target_logits, sel_weight, 10)
+            total = total + step_loss
+            agree = (logits.argmax(-1) == target_logits.argmax(-1)).to(weight.dtype)
+            acc = (agree * sel_weight).sum() / sel_weight.sum().clamp(min=1)
+            suffix = "" if j == 0 else f"_{j}"
+            metrics.update({f"loss_reg{suffix}": loss_reg.item(), f"loss_cls{suffix}": loss_cls.item(),
+                            f"acc{suffix}": acc.item()})
+        return total, metrics
 
     def proposer(self, target=None, **opts) -> "EagleProposer":
         return EagleProposer(self, **opts)

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from draftlab import vocab
-from draftlab.drafters.eagle import EagleProposer, _additive
+from draftlab.drafters.eagle import EagleProposer, own_feature_steps, ttt_mask
 from draftlab.vocab import AUTO_DRAFT_VOCAB, expand_logits, vocab_maps  # noqa: F401  (re-exported)
 
 _DEFAULTS = {"ttt_steps": 7, "ttt_decay": 0.8, "draft_vocab_size": 0, "init_from_target": False}
@@ -247,32 +247,12 @@ class EagleHead3(nn.Module):
         """Indices into `draft_logits`' last dimension -> target token ids."""
         return self.draft_vocab[index] if self.draft_vocab_size else index
 
-    @staticmethod
-    def ttt_mask(valid: Tensor, step: int) -> Tensor:
-        """Visibility of step `step`'s queries, bool [B, n, (step+1) n]: block 0 = step-0 slots 0..t that are
-        valid (plus t itself at step 0, so no row is empty), then one identity block per step 1..step."""
-        n = valid.shape[1]
-        causal = torch.ones(n, n, dtype=torch.bool, device=valid.device).tril()
-        eye = torch.eye(n, dtype=torch.bool, device=valid.device)
-        first = causal & valid[:, None, :]
-        if step == 0:
-            return first | eye
-        return torch.cat([first] + [eye.expand_as(first)] * step, dim=-1)
+    ttt_mask = staticmethod(ttt_mask)
 
     def ttt_outputs(self, aux: Tensor, input_ids: Tensor, valid: Tensor) -> list[Tensor]:
         """The head's outputs o^{(j)} [B,n,d] for steps j = 0..min(S, n)-1. aux [B,n,A*d]: fused states g_t of
         slots t = 0..n-1; input_ids [B,n+1] (x_0..x_n); valid [B,n] bool: slot t is a real pair."""
-        n = valid.shape[1]
-        dtype = self.fc.weight.dtype
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)           # left padding is harmless
-        hidden, cache, outputs = aux.to(dtype), DynamicCache(), []
-        for j in range(min(self.ttt_steps, n)):
-            tokens = torch.zeros_like(input_ids[:, 1:])
-            tokens[:, : n - j] = input_ids[:, 1 + j:]                     # x_{t+1+j}; past the row: ignored
-            mask = _additive(self.ttt_mask(valid, j)[:, None], dtype)
-            hidden = self(hidden, tokens, positions + j, mask, cache)
-            outputs.append(hidden)
-        return outputs
+        return own_feature_steps(self, aux.to(self.fc.weight.dtype), input_ids, valid, self.ttt_steps)
 
     def loss(self, batch: dict, features: Tensor) -> tuple[Tensor, dict[str, float]]:
         """batch: input_ids, attention_mask, loss_mask [B,T]; features [B,T,(A+1)d] = aux states then the
