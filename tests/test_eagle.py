@@ -393,3 +393,55 @@ def test_fitting_the_targets_own_text_raises_tau(tiny_target):
         loss.backward()
         opt.step()
     assert tau(head) > before + 0.5
+
+
+def _fit(head, batch, feats, steps=30, lr=3e-3) -> list[float]:
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
+    head.train()
+    losses = []
+    for _ in range(steps):
+        loss, _ = head.loss(batch, feats)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_init_from_target_starts_from_the_last_layer_and_trains(tiny_target):
+    from draftlab.evaluator import speculative_generate, target_generate
+    from draftlab.trees import TreeSpec
+    from draftlab.verify import Sampling
+
+    model, tok = tiny_target
+    head = EagleHead.from_target(model, SimpleNamespace(init_from_target=True))
+    last = model.model.layers[-1].state_dict()
+    for key, value in head.layers[0].state_dict().items():
+        assert torch.equal(value, last[key]), key
+    d = model.config.hidden_size
+    assert torch.equal(head.fc.weight[:, d:], torch.eye(d)) and not head.fc.weight[:, :d].any()
+    ids = _ids(tok, "The quick brown fox jumps over the lazy dog.")[None].repeat(2, 1)
+    losses = _fit(head, _batch(ids), _features(model, ids), steps=40)
+    assert losses[-1] < 0.7 * losses[0]
+    prompt = _ids(tok, "The quick brown fox")
+    assert speculative_generate(model, head.eval().proposer(model), prompt, TreeSpec(draft_length=3), Sampling(),
+                                16).tokens == target_generate(model, prompt, 16).tokens
+
+
+def test_harmonized_steps_feed_the_heads_own_features(tiny_target):
+    """HASS: step j trains slot t on the head's own step j-1 output; one step is plain EAGLE training."""
+    model, tok = tiny_target
+    ids = _ids(tok, "Speculative decoding drafts tokens and the target verifies them.")[None].repeat(2, 1)
+    batch, feats = _batch(ids), _features(model, ids)
+    torch.manual_seed(0)
+    plain = EagleHead.from_target(model, None).eval()
+    torch.manual_seed(0)
+    harmonized = EagleHead.from_target(model, SimpleNamespace(harmonized_steps=3, topk_weight=1.0)).eval()
+    loss1, m1 = plain.loss(batch, feats)
+    loss3, m3 = harmonized.loss(batch, feats)
+    assert set(m1) == {"loss_reg", "loss_cls", "acc"} and {"acc_1", "acc_2", "loss_reg_2"} <= set(m3)
+    assert m3["loss_reg"] == pytest.approx(m1["loss_reg"]) and loss3 > loss1   # same step 0, more terms
+    losses = _fit(harmonized, batch, feats)
+    assert losses[-1] < 0.5 * losses[0]
+    with pytest.raises(ValueError, match="harmonized_steps=0"):
+        EagleHead.from_target(model, SimpleNamespace(harmonized_steps=0))

@@ -316,3 +316,17 @@ def test_recipe_trains_with_lossless_in_loop_evaluation(tiny_target_dir, tiny_ch
         report = json.loads((out / f"step_{step}" / "eval.json").read_text())
         assert report["lossless"] is True and 1 <= report["acceptance_length"] <= 3 + 1
     assert len(json.loads((out / "step_2" / "drafter_config.json").read_text())["draft_vocab"]) == 64
+
+
+def test_init_from_target_copies_the_last_layer(target):
+    from types import SimpleNamespace
+
+    model = target[0]
+    head = EagleHead3.from_target(model, SimpleNamespace(init_from_target=True))
+    last = model.model.layers[-1]
+    d = model.config.hidden_size
+    q = head.layer.self_attn.q_proj.weight
+    assert torch.equal(q[:, d:], last.self_attn.q_proj.weight) and not q[:, :d].any()
+    assert torch.equal(head.layer.mlp.down_proj.weight, last.mlp.down_proj.weight)
+    assert torch.equal(head.fc.weight[:, -d:], torch.eye(d)) and not head.fc.weight[:, :-d].any()
+    assert head.drafter_config()["init_from_target"] is True
