@@ -21,6 +21,7 @@ import shlex
 import shutil
 from functools import cached_property
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -60,9 +61,11 @@ class Source:
                     raise
         self.target_path = target_path or getattr(target.config, "_name_or_path", "") or ""
         self._target = (target, tokenizer) if target is not None else None
-        name = (self.config.get("target") or {}).get("name_or_path", "")
-        self.base_model = base_model or next((n for n in (self.target_path, name) if looks_like_hub_id(n)), None)
-        self.verifier = self.base_model or self.target_path   # what serving configs name as the target
+        recorded = (self.config.get("target") or {}).get("name_or_path", "")
+        # what serving configs and usage lines name as the target (a Hub id or a local transformers folder), and
+        # the card's base_model (a Hub id only)
+        self.verifier = verifier_name(base_model, self.target_path, recorded)
+        self.base_model = self.verifier if looks_like_hub_id(self.verifier) else None
 
     @cached_property
     def weights(self) -> dict[str, torch.Tensor]:
@@ -106,6 +109,39 @@ class Source:
 def looks_like_hub_id(name: str | None) -> bool:
     """ORG/NAME that is not a local path (a Hub `base_model` must be a real model id)."""
     return bool(name) and bool(REPO_ID_RE.match(name)) and not Path(name).expanduser().exists()
+
+
+def model_folder(name: str | None) -> str | None:
+    """The absolute path of a local transformers model folder (one with config.json), else None."""
+    path = Path(name or "").expanduser()
+    return str(path.resolve()) if name and (path / "config.json").is_file() else None
+
+
+def verifier_name(base_model: str | None, target_path: str, recorded: str = "") -> str:
+    """The target's name for other tools (speculators' verifier, Medusa's base_model_name_or_path, usage lines):
+    --base-model (a Hub id or a local folder), else the target itself when it is either, else, for a `.gguf` or
+    `package:` target that only draftlab reads, the transformers folder it was dequantised into."""
+    if base_model:
+        found = base_model if looks_like_hub_id(base_model) else model_folder(base_model)
+        if not found:
+            raise HubError(f"--base-model {base_model} is neither a Hub model id (ORG/NAME) nor a local folder with "
+                           "config.json: pass the target's Hub id or its transformers folder")
+        return found
+    for name in (target_path, recorded):
+        found = name if looks_like_hub_id(name) else model_folder(name)
+        if found:
+            return found
+    from draftlab.target import TargetError, convert_gguf, resolve_target_path
+
+    try:
+        where = resolve_target_path(target_path)
+        if where.lower().endswith(".gguf"):
+            return convert_gguf(where)
+    except (TargetError, OSError) as e:
+        raise HubError(f"the target {target_path!r} cannot be named for other tools ({e}): pass --base-model "
+                       "with its Hub id (ORG/NAME) or a local transformers folder") from None
+    raise HubError(f"the target {target_path!r} is neither a Hub id nor a local transformers folder, so serving "
+                   "configs could not name it: pass --base-model with its Hub id (ORG/NAME) or a local folder")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -179,6 +215,9 @@ def export_eagle3(src: Source, out: Path, meta: dict) -> dict:
                for k, v in src.weights.items()}
     text = src.target_config()
     vocab_size = text.vocab_size
+    # speculators' loader leaves a missing embed_tokens.weight at zero: carry the target's embedding (frozen)
+    embed = src.target()[0].get_input_embeddings().weight.detach()
+    weights["embed_tokens.weight"] = embed.to("cpu", weights["fc.weight"].dtype).contiguous()
     draft_vocab = src.config.get("draft_vocab")
     if draft_vocab:
         ids = torch.tensor(sorted(draft_vocab), dtype=torch.long)
@@ -199,8 +238,11 @@ def export_eagle3(src: Source, out: Path, meta: dict) -> dict:
         },
         "transformer_layer_config": layer_config(text, 1),
         "draft_vocab_size": len(draft_vocab) if draft_vocab else vocab_size,
-        # our first layer keeps the un-normalised fused state as its residual (vLLM's default is True)
-        "norm_before_residual": False,
+        # draftlab's own heads keep the un-normalised fused state as the first layer's residual (vLLM's default is
+        # True) and use neither extra norm; heads imported from speculators keep their settings
+        "norm_before_residual": bool(src.config.get("norm_before_residual", False)),
+        "norm_before_fc": bool(src.config.get("norm_before_fc", False)),
+        "norm_output": bool(src.config.get("norm_output", False)),
         "target_hidden_size": text.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(src.config["aux_layers"]),
         "torch_dtype": str(weights["fc.weight"].dtype).removeprefix("torch."),
@@ -229,6 +271,7 @@ def export_medusa(src: Source, out: Path, meta: dict) -> dict:
         unwrap_lora(model)
         model.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
+        add_legacy_keys(out)
     config = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
     config.update(medusa_num_heads=src.config["medusa_heads"], medusa_num_layers=src.config["medusa_layers"],
                   base_model_name_or_path=base, version="2")
@@ -248,12 +291,25 @@ def unwrap_lora(model: torch.nn.Module) -> None:
             setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
 
 
+def add_legacy_keys(folder: Path) -> None:
+    """Give a transformers 5.x config.json the keys transformers 4.x reads instead of `rope_parameters` and `dtype`
+    (4.x would otherwise fall back to rope_theta 10,000 and float32): rope_theta, rope_scaling, torch_dtype."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    text = config.get("text_config") or config
+    extra = legacy_rope(SimpleNamespace(**text))
+    if config.get("dtype") and "torch_dtype" not in config:
+        extra["torch_dtype"] = config["dtype"]
+    path.write_text(json.dumps({**config, **{k: v for k, v in extra.items() if k not in config}}, indent=2) + "\n")
+
+
 def export_small_lm(src: Source, out: Path, meta: dict) -> dict:
     """A standard transformers folder (config, weights, generation config, tokenizer) that loads with
     AutoModelForCausalLM and drafts as `assistant_model`; written by the drafter's own export_pretrained."""
     model, tokenizer = src.target()
     drafter = ckpt.load_drafter(src.folder, model)
     drafter.export_pretrained(out, tokenizer)
+    add_legacy_keys(out)
     return {}
 
 
@@ -265,6 +321,7 @@ def export_acceptance(src: Source, out: Path, meta: dict) -> dict:
     model, tokenizer = src.target()
     head = ckpt.load_drafter(src.folder, model)
     head.base.export_pretrained(out, tokenizer)
+    add_legacy_keys(out)
     (out / "acceptance_head").mkdir()
     save_file({k: v.contiguous() for k, v in src.weights.items()}, str(out / "acceptance_head" / "model.safetensors"))
     keys = ("acceptance_layers", "adaptive_threshold", "min_draft", "acceptance_label")
@@ -324,7 +381,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str =
         first = json.loads((folder / "eval.json").read_text()) if (folder / "eval.json").is_file() else (
             reports[0][1] if reports else {})
         meta = {"draftlab_export": 1, "kind": src.kind, "format": fmt, "repo_id": repo_id, "base_model":
-                src.base_model, "target": src.target_path, "license": license, "step": folder.name,
+                src.base_model, "verifier": src.verifier, "target": src.target_path, "license": license,
+                "step": folder.name,
                 "draft_length": first.get("draft_length"), "export_dir": str(out)}
         meta["details"] = EXPORTERS[src.kind][1](src, tmp, meta) if fmt != "draftlab" else {}
         meta.pop("export_dir")                        # a local path, for exporters only
@@ -495,8 +553,9 @@ def push_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="auto", choices=FORMATS, help="serving format (auto: the drafter kind's)")
     p.add_argument("--to", help="export into this folder only, no upload")
     p.add_argument("--target", help="target model (default: the one the checkpoint was trained with)")
-    p.add_argument("--base-model", help="Hub id of the target for the card and serving configs (default: the "
-                   "target path when it is a Hub id)")
+    p.add_argument("--base-model", help="the target as other tools load it, a Hub id or a local transformers "
+                   "folder, for the card and serving configs (default: the target when it is one, or the folder a "
+                   ".gguf / package: target was dequantised into)")
     p.add_argument("--eval", action="append", default=[], metavar="REPORT.json",
                    help="extra `draftlab eval` report for the card's tau table (repeatable)")
     p.add_argument("--license", default="apache-2.0", help="license in the card (default apache-2.0)")
@@ -509,8 +568,8 @@ def cmd_push(argv: list[str]) -> None:
         raise HubError("give --repo-id ORG/NAME to upload, or --to DIR for a local export only")
     if args.repo_id:
         check_repo_id(args.repo_id)
-    if args.base_model and not REPO_ID_RE.match(args.base_model):
-        raise HubError(f"--base-model {args.base_model} is not a Hub model id: use ORG/NAME")
+    if args.base_model:
+        verifier_name(args.base_model, "")          # a bad --base-model stops before anything is loaded
     options = dict(fmt=args.format, target_path=args.target, base_model=args.base_model, eval_reports=args.eval,
                    license=args.license)
     if args.to:
