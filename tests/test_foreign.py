@@ -13,23 +13,18 @@ from safetensors.torch import load_file, save_file
 from draftlab import hub
 from draftlab.checkpoint import CheckpointError
 from draftlab.cli import main
-from draftlab.drafters import DRAFTERS
-from draftlab.drafters.eagle3 import EagleHead3
 from draftlab.foreign import find_foreign
 from test_hub import make_run
-from test_interop import native_copy, perturb, saved_target
+from test_interop import eagle3_case, native_copy  # noqa: F401 (a fixture)
 
 
 @pytest.fixture
-def speculators_folder(tiny_tokenizer, tmp_path, monkeypatch):
+def speculators_folder(eagle3_case, tmp_path):
     """A speculators-format EAGLE-3 head (config.json + model.safetensors only) naming a local target."""
-    monkeypatch.setitem(DRAFTERS, "eagle3", EagleHead3)
-    model, target_dir = saved_target(tiny_tokenizer, tmp_path / "target", layers=8)
-    head = EagleHead3(model, draft_vocab_size=100, draft_vocab=list(range(50, 250, 2))).eval()
-    perturb(head)
-    out = hub.export_checkpoint(make_run(tmp_path / "run", head, target_path=target_dir), tmp_path / "export",
-                                target=model)
-    return native_copy(out, tmp_path / "speculators", ("config.json", "model.safetensors")), model, head
+    x = eagle3_case
+    out = hub.export_checkpoint(make_run(tmp_path / "run", x.head, target_path=x.target_dir), tmp_path / "export",
+                                target=x.model)
+    return native_copy(out, tmp_path / "speculators", ("config.json", "model.safetensors")), x.model, x.head
 
 
 def run_eval(args: list[str], capsys) -> tuple[int, str]:
