@@ -249,14 +249,18 @@ def build_official_eagle3(src: ForeignDrafter, target) -> torch.nn.Module:
         raise CheckpointError(f"{where}: a draft hidden size different from the target's is not supported")
     check_target(where, target, config.get("hidden_size"), config.get("vocab_size"))
     num_layers = target.config.get_text_config().num_hidden_layers
-    aux = [i for i in range(num_layers) if i in (2, num_layers // 2, num_layers - 3)]
+    aux = ((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")      # newer EAGLE-3 configs
+           or [i for i in range(num_layers) if i in (2, num_layers // 2, num_layers - 3)])
+    if max(aux) >= num_layers:
+        raise CheckpointError(f"{where} reads aux layer {max(aux)}, past the {num_layers} layers draftlab's features "
+                              f"cover (use ids < {num_layers})")
     if len(aux) < 2:
         raise CheckpointError(f"{where}: a {num_layers}-layer target gives EAGLE-3 fewer than two aux layers")
     weights = src.weights()
     check_embedding(weights, target, where)
     vocab = config.get("vocab_size") or target.config.get_text_config().vocab_size
     ids, order = draft_vocab(weights, config.get("draft_vocab_size", vocab), vocab, where)
-    head = EagleHead3(target, aux_layers=aux, draft_vocab_size=len(ids) if ids else 0, draft_vocab=ids)
+    head = EagleHead3(target, aux_layers=list(aux), draft_vocab_size=len(ids) if ids else 0, draft_vocab=ids)
     return load_strict(head, eagle3_weights(weights, "midlayer.", order), where)
 
 

@@ -204,8 +204,8 @@ def usage(meta: dict, reports) -> dict[str, str]:
                           "config and weight layout, not the speculators format.",
                 "speculators": python_block(
                     "from speculators.models.eagle3 import Eagle3DraftModel\n\n"
-                    f"draft = Eagle3DraftModel.from_pretrained(\"{repo}\")   # loads the verifier's embedding "
-                    "and LM head from the config's verifier")}
+                    f"draft = Eagle3DraftModel.from_pretrained(\"{repo}\")   # also reads the verifier the "
+                    "config names")}
     if fmt_ == "medusa":
         shared = ("" if details.get("layers", 1) == 1 else " The official Medusa code shares one ResBlock across "
                   "a head's layers, so these multi-layer heads load correctly only in TGI.")
