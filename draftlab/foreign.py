@@ -6,8 +6,8 @@ A folder (or Hub model id) holding a config.json but no draftlab checkpoint is r
 
 | format | recognised by | rebuilt as |
 |---|---|---|
-| speculators EAGLE-3 (vllm-project/speculators) | `speculators_model_type: eagle3` | `EagleHead3` with its norm variants |
-| official EAGLE-3 (SafeAILab/EAGLE, cnets.py) | `draft_vocab_size` or `midlayer.*` weights | `EagleHead3`, aux layers [2, L//2, L-3] |
+| speculators EAGLE-3 (vllm-project/speculators) | `speculators_model_type: eagle3` | `EagleHead3` + its norms |
+| official EAGLE-3 (SafeAILab/EAGLE, cnets.py) | `draft_vocab_size` or `midlayer.*` | `EagleHead3`, aux [2, L//2, L-3] |
 | official EAGLE-1/2 (SafeAILab/EAGLE, cnets1.py) | `fc.weight` of shape [d, 2d] and `layers.*` | `EagleHead` |
 | Medusa heads (FasterDecoding/Medusa, TGI) | `medusa_num_heads` | `MedusaHeads` |
 
@@ -229,7 +229,7 @@ def build_speculators(src: ForeignDrafter, target) -> torch.nn.Module:
     aux = config.get("eagle_aux_hidden_state_layer_ids") or [2, num_layers // 2, num_layers - 3]
     if max(aux) >= num_layers:
         raise CheckpointError(f"{where} reads aux layer {max(aux)}, the output of the target's last decoder layer "
-                              f"before its final norm, which draftlab's features do not provide (use ids < {num_layers})")
+                              f"before its final norm, which draftlab's features lack (use ids < {num_layers})")
     weights = src.weights()
     check_embedding(weights, target, where)
     ids, order = draft_vocab(weights, config.get("draft_vocab_size", 0), layer.get("vocab_size", 0), where)

@@ -215,7 +215,8 @@ def export_eagle3(src: Source, out: Path, meta: dict) -> dict:
                for k, v in src.weights.items()}
     text = src.target_config()
     vocab_size = text.vocab_size
-    # speculators' loader leaves a missing embed_tokens.weight at zero: carry the target's embedding (frozen)
+    # the draft's (frozen) token embedding is the target's: carried, so speculators' loader need not refill it from
+    # the verifier (the issue saw it left at zero without it)
     embed = src.target()[0].get_input_embeddings().weight.detach()
     weights["embed_tokens.weight"] = embed.to("cpu", weights["fc.weight"].dtype).contiguous()
     draft_vocab = src.config.get("draft_vocab")

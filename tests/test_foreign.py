@@ -37,7 +37,8 @@ def test_eval_scores_a_speculators_folder(speculators_folder, tiny_prompt_file, 
     loaded = find_foreign(str(folder)).load(model)
     g, ids, pos = torch.randn(1, 9, 3 * 64), torch.randint(0, 300, (1, 9)), torch.arange(9)[None]
     with torch.no_grad():
-        torch.testing.assert_close(loaded.draft_logits(loaded(g, ids, pos, None)), head.draft_logits(head(g, ids, pos, None)))
+        ours, theirs = loaded(g, ids, pos, None), head(g, ids, pos, None)
+        torch.testing.assert_close(loaded.draft_logits(ours), head.draft_logits(theirs))
     code, err = run_eval(["--checkpoint", str(folder), "--prompts", tiny_prompt_file, "--out", str(tmp_path / "r.json"),
                           "--num-prompts", "2", "--max-new-tokens", "8", "--draft-length", "3"], capsys)
     assert code == 0, err

@@ -107,7 +107,8 @@ class EagleHead3(nn.Module):
         self.draft_vocab_size = draft_vocab_size if 0 < draft_vocab_size < config.vocab_size else 0
 
         d = config.hidden_size
-        self.norm_before_fc, self.norm_before_residual, self.norm_output = norm_before_fc, norm_before_residual, norm_output
+        self.norm_before_fc, self.norm_before_residual = norm_before_fc, norm_before_residual
+        self.norm_output = norm_output
         self.fc = nn.Linear(len(aux) * d, d, bias=False)
         self.layer = type(decoder.layers[0])(config, layer_idx=0)
         if norm_before_fc:
