@@ -259,13 +259,14 @@ def export_medusa(src: Source, out: Path, meta: dict) -> dict:
     ({k}.{j}.linear.weight/bias per ResBlock, {k}.{L}.weight for the vocabulary projection) in
     medusa_lm_head.safetensors (read by TGI and TensorRT-LLM) and medusa_lm_head.pt (read by
     medusa/model/medusa_model*.py). Medusa-2 also needs its adapted target: the LoRA weights are merged into a
-    fresh copy of the target, saved here as a transformers folder, and base_model_name_or_path names this repo."""
+    fresh copy of the target, saved here as a transformers folder, and base_model_name_or_path names this repo (this
+    folder's path for a local export)."""
     heads = {k.removeprefix("heads."): v.contiguous() for k, v in src.weights.items() if k.startswith("heads.")}
     save_file(heads, str(out / "medusa_lm_head.safetensors"), {"format": "pt"})
     torch.save(heads, out / "medusa_lm_head.pt")
     base = src.verifier
     if src.kind == "medusa2":
-        base = meta.get("repo_id") or "."
+        base = meta.get("repo_id") or str(Path(meta["export_dir"]).resolve())   # this folder, until pushed
         model, tokenizer = src.target(fresh=True)        # load_drafter installs the adapters in place
         drafter = ckpt.load_drafter(src.folder, model)
         drafter.merge_adapters()

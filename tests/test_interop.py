@@ -175,6 +175,30 @@ def test_medusa2_merged_target_in_transformers(tiny_tokenizer, tmp_path, monkeyp
         assert torch.equal(namespace["out"], adapted.generate(**namespace["inputs"], max_new_tokens=128))
 
 
+def test_medusa2_export_in_the_medusa_model_code(tiny_tokenizer, tmp_path, monkeypatch):
+    """The card's Medusa snippet on a Medusa-2 export: the merged target (base_model_name_or_path = the export
+    itself) and the heads, as Medusa's model code loads them."""
+    medusa_model = client("medusa.model.medusa_model", "medusa-llm 0.1")
+    from transformers import LlamaForCausalLM
+
+    from draftlab.drafters.medusa import Medusa2Lora
+
+    monkeypatch.setitem(DRAFTERS, "medusa2", Medusa2Lora)
+    model, target_dir = saved_target(tiny_tokenizer, tmp_path / "target")
+    drafter = Medusa2Lora.from_target(model, SimpleNamespace(lora_r=4, lora_alpha=8, medusa_heads=2))
+    perturb(drafter)
+    out = hub.export_checkpoint(make_run(tmp_path / "run", drafter, target_path=target_dir), tmp_path / "export")
+    monkeypatch.setattr(medusa_model, "KVLlamaForCausalLM", LlamaForCausalLM)    # see test_medusa_export_in_...
+    namespace: dict = {}
+    exec(snippet(out, "official Medusa code"), namespace)
+    theirs = namespace["model"]
+    ids = torch.randint(0, len(tiny_tokenizer), (1, 12))
+    with torch.no_grad():
+        close(theirs.base_model(ids).logits, model(ids).logits)                     # model: adapted in place
+        hidden = model(ids, output_hidden_states=True).hidden_states[-1]
+        close(drafter.head_logits(hidden), torch.stack([theirs.medusa_head[k](hidden) for k in range(2)]))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # EAGLE-3: speculators' own loader, both directions
 
