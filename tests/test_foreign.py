@@ -129,6 +129,8 @@ def test_push_names_a_target_other_tools_resolve(tiny_target, tiny_target_dir, t
     assert "package:" not in (out / "README.md").read_text().split("## Usage")[1].split("### draftlab")[0]
     with pytest.raises(hub.HubError, match="neither a Hub model id"):
         hub.export_checkpoint(run, tmp_path / "e3", target=model, base_model="./missing-folder")
+    assert main(["push", str(run), "--to", str(tmp_path / "e4"), "--base-model", "./missing-folder"]) == 2
+    assert not (tmp_path / "e4").exists()
     gguf = tmp_path / "t.gguf"
     gguf.write_bytes(b"GGUF")
     converted = tmp_path / "converted"
