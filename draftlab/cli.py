@@ -62,7 +62,8 @@ def _end_progress_bars() -> None:
 def eval_parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="draftlab eval", description="Score a drafter by real speculative decoding.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="run folder (its best step) or step_N folder")
+    src.add_argument("--checkpoint", help="run folder (its best step), step_N folder or export, or a drafter trained "
+                     "elsewhere (folder or Hub id): speculators EAGLE-3, official EAGLE-1/2/3, Medusa heads")
     src.add_argument("--proposer", choices=["prompt_lookup"], help="training-free proposer (needs --target)")
     p.add_argument("--prompts", required=True, help="JSONL prompt set (rows with `messages` or `prompt`)")
     p.add_argument("--out", required=True, help="report JSON to write (a .md table and plots go beside it)")
@@ -183,11 +184,18 @@ def cmd_eval(argv: list[str]) -> None:
         args.draft_length = int(args.draft_length)
     check_eval_args(args)
     fixed_lengths = parse_lengths(args.fixed_k)
-    folder = resolve_checkpoint(args.checkpoint) if args.checkpoint else None
-    if folder is None and not args.target:
+    from draftlab.foreign import find_foreign
+
+    foreign = find_foreign(args.checkpoint) if args.checkpoint else None     # a drafter trained elsewhere
+    folder = resolve_checkpoint(args.checkpoint) if args.checkpoint and not foreign else None
+    if not args.checkpoint and not args.target:
         raise ConfigError("--proposer prompt_lookup needs --target PATH (the model to speculate for)")
+    if foreign and not (args.target or foreign.target):
+        raise ConfigError(f"--checkpoint {args.checkpoint} ({foreign.kind} format) does not name its target: pass "
+                          "--target PATH")
     prompts = load_prompts(args.prompts, limit=args.num_prompts)  # bad prompt files fail before the model loads
-    target, tokenizer = load_target(args.target or checkpoint_target(folder), args.dtype, args.device)
+    target_path = args.target or (foreign.target if foreign else checkpoint_target(folder) if folder else None)
+    target, tokenizer = load_target(target_path, args.dtype, args.device)
     vocab = target.get_output_embeddings().weight.shape[0]
     for name, value in (("--top-k", args.top_k if args.tree == "dynamic" else 0),
                         ("--sampling-top-k", args.sampling_top_k)):
@@ -195,13 +203,13 @@ def cmd_eval(argv: list[str]) -> None:
             raise ConfigError(f"{name} {value} is above the target's vocabulary size {vocab}")
     adaptive = {k: v for k, v in (("adaptive_threshold", args.adaptive_threshold), ("min_draft", args.min_draft))
                 if v is not None}
-    if folder is not None:
-        drafter = load_drafter(folder, target).eval()
+    if args.checkpoint:
+        drafter = foreign.load(target) if foreign else load_drafter(folder, target).eval()
         if (adaptive or args.fixed_k) and drafter.kind != "acceptance":
             raise ConfigError("--adaptive-threshold, --min-draft and --fixed-k need an acceptance-head checkpoint "
-                              f"(drafter kind 'acceptance'); {folder} is a '{drafter.kind}' drafter")
+                              f"(drafter kind 'acceptance'); {args.checkpoint} is a '{drafter.kind}' drafter")
         proposer = drafter.proposer(target, **adaptive)
-        label = str(folder)
+        label = f"{foreign.label} ({foreign.kind} format)" if foreign else str(folder)
     else:
         from draftlab.proposers import PromptLookupProposer
 

@@ -21,6 +21,7 @@ import shlex
 import shutil
 from functools import cached_property
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -62,9 +63,11 @@ class Source:
                     raise
         self.target_path = target_path or getattr(target.config, "_name_or_path", "") or ""
         self._target = (target, tokenizer) if target is not None else None
-        name = (self.config.get("target") or {}).get("name_or_path", "")
-        self.base_model = base_model or next((n for n in (self.target_path, name) if looks_like_hub_id(n)), None)
-        self.verifier = self.base_model or self.target_path   # what serving configs name as the target
+        recorded = (self.config.get("target") or {}).get("name_or_path", "")
+        # what serving configs and usage lines name as the target (a Hub id or a local transformers folder), and
+        # the card's base_model (a Hub id only)
+        self.verifier = verifier_name(base_model, self.target_path, recorded)
+        self.base_model = self.verifier if looks_like_hub_id(self.verifier) else None
 
     @cached_property
     def weights(self) -> dict[str, torch.Tensor]:
@@ -108,6 +111,39 @@ class Source:
 def looks_like_hub_id(name: str | None) -> bool:
     """ORG/NAME that is not a local path (a Hub `base_model` must be a real model id)."""
     return bool(name) and bool(REPO_ID_RE.match(name)) and not Path(name).expanduser().exists()
+
+
+def model_folder(name: str | None) -> str | None:
+    """The absolute path of a local transformers model folder (one with config.json), else None."""
+    path = Path(name or "").expanduser()
+    return str(path.resolve()) if name and (path / "config.json").is_file() else None
+
+
+def verifier_name(base_model: str | None, target_path: str, recorded: str = "") -> str:
+    """The target's name for other tools (speculators' verifier, Medusa's base_model_name_or_path, usage lines):
+    --base-model (a Hub id or a local folder), else the target itself when it is either, else, for a `.gguf` or
+    `package:` target that only draftlab reads, the transformers folder it was dequantised into."""
+    if base_model:
+        found = base_model if looks_like_hub_id(base_model) else model_folder(base_model)
+        if not found:
+            raise HubError(f"--base-model {base_model} is neither a Hub model id (ORG/NAME) nor a local folder with "
+                           "config.json: pass the target's Hub id or its transformers folder")
+        return found
+    for name in (target_path, recorded):
+        found = name if looks_like_hub_id(name) else model_folder(name)
+        if found:
+            return found
+    from draftlab.target import TargetError, convert_gguf, resolve_target_path
+
+    try:
+        where = resolve_target_path(target_path)
+        if where.lower().endswith(".gguf"):
+            return convert_gguf(where)
+    except (TargetError, OSError) as e:
+        raise HubError(f"the target {target_path!r} cannot be named for other tools ({e}): pass --base-model "
+                       "with its Hub id (ORG/NAME) or a local transformers folder") from None
+    raise HubError(f"the target {target_path!r} is neither a Hub id nor a local transformers folder, so serving "
+                   "configs could not name it: pass --base-model with its Hub id (ORG/NAME) or a local folder")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -181,6 +217,10 @@ def export_eagle3(src: Source, out: Path, meta: dict) -> dict:
                for k, v in src.weights.items()}
     text = src.target_config()
     vocab_size = text.vocab_size
+    # the draft's (frozen) token embedding is the target's: carried, so speculators' loader need not refill it from
+    # the verifier (the issue saw it left at zero without it)
+    embed = src.target()[0].get_input_embeddings().weight.detach()
+    weights["embed_tokens.weight"] = embed.to("cpu", weights["fc.weight"].dtype).contiguous()
     draft_vocab = src.config.get("draft_vocab")
     if draft_vocab:
         ids = torch.tensor(sorted(draft_vocab), dtype=torch.long)
@@ -201,8 +241,11 @@ def export_eagle3(src: Source, out: Path, meta: dict) -> dict:
         },
         "transformer_layer_config": layer_config(text, 1),
         "draft_vocab_size": len(draft_vocab) if draft_vocab else vocab_size,
-        # our first layer keeps the un-normalised fused state as its residual (vLLM's default is True)
-        "norm_before_residual": False,
+        # draftlab's own heads keep the un-normalised fused state as the first layer's residual (vLLM's default is
+        # True) and use neither extra norm; heads imported from speculators keep their settings
+        "norm_before_residual": bool(src.config.get("norm_before_residual", False)),
+        "norm_before_fc": bool(src.config.get("norm_before_fc", False)),
+        "norm_output": bool(src.config.get("norm_output", False)),
         "target_hidden_size": text.hidden_size,
         "eagle_aux_hidden_state_layer_ids": list(src.config["aux_layers"]),
         "torch_dtype": str(weights["fc.weight"].dtype).removeprefix("torch."),
@@ -218,19 +261,21 @@ def export_medusa(src: Source, out: Path, meta: dict) -> dict:
     ({k}.{j}.linear.weight/bias per ResBlock, {k}.{L}.weight for the vocabulary projection) in
     medusa_lm_head.safetensors (read by TGI and TensorRT-LLM) and medusa_lm_head.pt (read by
     medusa/model/medusa_model*.py). Medusa-2 also needs its adapted target: the LoRA weights are merged into a
-    fresh copy of the target, saved here as a transformers folder, and base_model_name_or_path names this repo."""
+    fresh copy of the target, saved here as a transformers folder, and base_model_name_or_path names this repo (this
+    folder's path for a local export)."""
     heads = {k.removeprefix("heads."): v.contiguous() for k, v in src.weights.items() if k.startswith("heads.")}
     save_file(heads, str(out / "medusa_lm_head.safetensors"), {"format": "pt"})
     torch.save(heads, out / "medusa_lm_head.pt")
     base = src.verifier
     if src.kind == "medusa2":
-        base = meta.get("repo_id") or "."
+        base = meta.get("repo_id") or str(Path(meta["export_dir"]).resolve())   # this folder, until pushed
         model, tokenizer = src.target(fresh=True)        # load_drafter installs the adapters in place
         drafter = ckpt.load_drafter(src.folder, model)
         drafter.merge_adapters()
         unwrap_lora(model)
         model.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
+        add_legacy_keys(out)
     config = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
     config.update(medusa_num_heads=src.config["medusa_heads"], medusa_num_layers=src.config["medusa_layers"],
                   base_model_name_or_path=base, version="2")
@@ -250,12 +295,25 @@ def unwrap_lora(model: torch.nn.Module) -> None:
             setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
 
 
+def add_legacy_keys(folder: Path) -> None:
+    """Give a transformers 5.x config.json the keys transformers 4.x reads instead of `rope_parameters` and `dtype`
+    (4.x would otherwise fall back to rope_theta 10,000 and float32): rope_theta, rope_scaling, torch_dtype."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    text = config.get("text_config") or config
+    extra = legacy_rope(SimpleNamespace(**text))
+    if config.get("dtype") and "torch_dtype" not in config:
+        extra["torch_dtype"] = config["dtype"]
+    path.write_text(json.dumps({**config, **{k: v for k, v in extra.items() if k not in config}}, indent=2) + "\n")
+
+
 def export_small_lm(src: Source, out: Path, meta: dict) -> dict:
     """A standard transformers folder (config, weights, generation config, tokenizer) that loads with
     AutoModelForCausalLM and drafts as `assistant_model`; written by the drafter's own export_pretrained."""
     model, tokenizer = src.target()
     drafter = ckpt.load_drafter(src.folder, model)
     drafter.export_pretrained(out, tokenizer)
+    add_legacy_keys(out)
     return {}
 
 
@@ -267,6 +325,7 @@ def export_acceptance(src: Source, out: Path, meta: dict) -> dict:
     model, tokenizer = src.target()
     head = ckpt.load_drafter(src.folder, model)
     head.base.export_pretrained(out, tokenizer)
+    add_legacy_keys(out)
     (out / "acceptance_head").mkdir()
     save_file({k: v.contiguous() for k, v in src.weights.items()}, str(out / "acceptance_head" / "model.safetensors"))
     keys = ("acceptance_layers", "adaptive_threshold", "min_draft", "acceptance_label")
@@ -330,7 +389,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str =
         first = json.loads((folder / "eval.json").read_text()) if (folder / "eval.json").is_file() else (
             reports[0][1] if reports else {})
         meta = {"draftlab_export": 1, "kind": src.kind, "format": fmt, "repo_id": repo_id, "base_model":
-                src.base_model, "target": src.target_path, "license": license, "step": folder.name,
+                src.base_model, "verifier": src.verifier, "target": src.target_path, "license": license,
+                "step": folder.name,
                 "draft_length": first.get("draft_length"), "export_dir": str(out)}
         meta["details"] = EXPORTERS[src.kind][1](src, tmp, meta) if fmt != "draftlab" else {}
         meta.pop("export_dir")                        # a local path, for exporters only
@@ -518,8 +578,9 @@ def push_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="auto", choices=FORMATS, help="serving format (auto: the drafter kind's)")
     p.add_argument("--to", help="export into this folder only, no upload")
     p.add_argument("--target", help="target model (default: the one the checkpoint was trained with)")
-    p.add_argument("--base-model", help="Hub id of the target for the card and serving configs (default: the "
-                   "target path when it is a Hub id)")
+    p.add_argument("--base-model", help="the target as other tools load it, a Hub id or a local transformers "
+                   "folder, for the card and serving configs (default: the target when it is one, or the folder a "
+                   ".gguf / package: target was dequantised into)")
     p.add_argument("--eval", action="append", default=[], metavar="REPORT.json",
                    help="extra `draftlab eval` report for the card's tau table (repeatable)")
     p.add_argument("--license", default="apache-2.0", help="license in the card (default apache-2.0)")
@@ -533,7 +594,7 @@ def cmd_push(argv: list[str]) -> None:
     if args.repo_id:
         check_repo_id(args.repo_id)
     if args.base_model:
-        check_repo_id(args.base_model, "--base-model")
+        verifier_name(args.base_model, "")          # a bad --base-model stops before anything is loaded
     if args.revision is not None and REVISION_BAD.search(args.revision or "/"):
         raise HubError(f"--revision {args.revision!r} is not a valid branch name: use letters, digits, '-', '_', "
                        "'.' and '/', e.g. --revision v1 (no spaces, '..', '~^:?*[\\', or a leading '-')")

@@ -160,10 +160,19 @@ def sglang_tree_flags(reports, k: int) -> str:
     return f"--speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"
 
 
+def target_name(meta: dict) -> str:
+    """The target as other tools load it: the export's verifier (a Hub id or a local transformers folder)."""
+    return meta.get("verifier") or meta.get("base_model") or meta.get("target") or "TARGET"
+
+
+def python_block(code: str) -> str:
+    return f"```python\n{code}\n```"
+
+
 def usage(meta: dict, reports) -> dict[str, str]:
     """Engine -> markdown: a command that loads this export, or why that engine cannot."""
     repo = meta.get("repo_id") or "ORG/NAME"
-    base = meta.get("base_model") or meta.get("target") or "TARGET"
+    base = target_name(meta)
     fmt_, kind, k = meta["format"], meta["kind"], chain_k(meta, reports)
     details = meta.get("details") or {}
     no_tf = ("Not supported by transformers: `generate(assistant_model=...)` needs a complete language model, and "
@@ -180,8 +189,9 @@ def usage(meta: dict, reports) -> dict[str, str]:
                 "SGLang": sh(f"python -m sglang.launch_server --model-path {base} --speculative-algorithm EAGLE \\\n"
                              f"  --speculative-draft-model-path {repo} {sglang_tree_flags(reports, k)}"),
                 "transformers": no_tf,
-                "official EAGLE code": "```python\nfrom eagle.model.ea_model import EaModel\n\nmodel = "
-                f"EaModel.from_pretrained(base_model_path=\"{base}\", ea_model_path=\"{repo}\", use_eagle3=False)\n```"}
+                "official EAGLE code": python_block(
+                    "from eagle.model.ea_model import EaModel\n\nmodel = "
+                    f"EaModel.from_pretrained(base_model_path=\"{base}\", ea_model_path=\"{repo}\", use_eagle3=False)")}
     if fmt_ == "speculators":
         vllm = sh(f"vllm serve {repo}   # the speculators config names the target; vLLM loads both\n# or, explicitly:\n"
                   f"vllm serve {base} --speculative-config "
@@ -191,7 +201,11 @@ def usage(meta: dict, reports) -> dict[str, str]:
                     "and vLLM collects each target layer once (a target with more layers gives distinct ids).")
         return {"vLLM": vllm, "transformers": no_tf,
                 "SGLang": "Not supported by SGLang as exported: its EAGLE-3 loader expects the official EAGLE-3 "
-                          "config and weight layout, not the speculators format."}
+                          "config and weight layout, not the speculators format.",
+                "speculators": python_block(
+                    "from speculators.models.eagle3 import Eagle3DraftModel\n\n"
+                    f"draft = Eagle3DraftModel.from_pretrained(\"{repo}\")   # also reads the verifier the "
+                    "config names")}
     if fmt_ == "medusa":
         shared = ("" if details.get("layers", 1) == 1 else " The official Medusa code shares one ResBlock across "
                   "a head's layers, so these multi-layer heads load correctly only in TGI.")
@@ -200,25 +214,34 @@ def usage(meta: dict, reports) -> dict[str, str]:
                "transformers": no_tf,
                "TGI": sh(f"text-generation-launcher --model-id {repo}   # reads medusa_num_heads and "
                          "base_model_name_or_path from config.json"),
-               "official Medusa code": "```python\nfrom medusa.model.medusa_model_legacy import MedusaModel\n\n"
-                                       f"model = MedusaModel.from_pretrained(\"{repo}\")\n```" + shared}
+               "official Medusa code": python_block(
+                   "from medusa.model.medusa_model import MedusaModel\n\n"
+                   f"model = MedusaModel.from_pretrained(\"{repo}\")   # base model from base_model_name_or_path")
+               + "\n\nUse `medusa.model.medusa_model`: `medusa_model_legacy` builds heads without their vocabulary "
+                 "projection and silently drops the trained one." + shared}
         if details.get("merged_target"):
-            out["transformers"] = ("The adapted (LoRA-merged) target is the model here: "
-                                   f"`AutoModelForCausalLM.from_pretrained(\"{repo}\")`. The heads are not used by "
-                                   "transformers' `generate`.")
+            out["transformers"] = ("The adapted (LoRA-merged) target is the model here; transformers' `generate` "
+                                   "serves it without the heads:\n\n" + python_block(
+                                       "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+                                       f"tokenizer = AutoTokenizer.from_pretrained(\"{repo}\")\n"
+                                       f"model = AutoModelForCausalLM.from_pretrained(\"{repo}\")\n"
+                                       "inputs = tokenizer.apply_chat_template([{\"role\": \"user\", \"content\": "
+                                       "\"Hello!\"}], add_generation_prompt=True, return_dict=True, "
+                                       "return_tensors=\"pt\")\n"
+                                       "out = model.generate(**inputs, max_new_tokens=128)"))
         return out
     if fmt_ == "hf":
         head_note = ("The acceptance head (acceptance_head/) sets the draft length adaptively (SpecDec++) only in "
                      "draftlab (`draftlab eval --checkpoint`); the engines below draft a fixed number of tokens with "
                      "the draft model.\n\n") if details.get("acceptance_head") else ""
-        return {"transformers": head_note + "```python\n"
+        return {"transformers": head_note + python_block(
                 "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
                 f"tokenizer = AutoTokenizer.from_pretrained(\"{base}\")\n"
                 f"target = AutoModelForCausalLM.from_pretrained(\"{base}\")\n"
                 f"draft = AutoModelForCausalLM.from_pretrained(\"{repo}\")\n"
                 "inputs = tokenizer.apply_chat_template([{\"role\": \"user\", \"content\": \"Hello!\"}], "
                 "add_generation_prompt=True, return_dict=True, return_tensors=\"pt\")\n"
-                "out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128)\n```",
+                "out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128)"),
                 "vLLM": sh(f"vllm serve {base} --speculative-config '{{\"method\": \"draft_model\", "
                            f"\"model\": \"{repo}\", \"num_speculative_tokens\": {k}}}'"),
                 "SGLang": sh(f"python -m sglang.launch_server --model-path {base} --speculative-algorithm STANDALONE "
@@ -257,7 +280,8 @@ def render_card(meta: dict, reports: list[tuple[str, dict]], run: dict | None, p
                   "adapted target (merged here), whose outputs differ slightly from the original target's.")
     if not base:
         intro += (f"\n\nThe target was a local model (`{meta.get('target')}`), not a Hub id, so the card has no "
-                  "`base_model`: export again with `--base-model ORG/NAME` to link it.")
+                  f"`base_model` and serving configs name the local folder `{target_name(meta)}`: export again with "
+                  "`--base-model ORG/NAME` to link it.")
     parts = ["---\n" + yaml.safe_dump(front_matter(meta), sort_keys=False) + "---", f"# {title}", intro,
              "## Acceptance length",
              "tau = tokens emitted per target forward pass, measured by real speculative decoding against the target "
@@ -281,6 +305,6 @@ def render_card(meta: dict, reports: list[tuple[str, dict]], run: dict | None, p
         parts += [f"### {engine}", text]
     parts += ["### draftlab", "```bash\nhf download {0} --local-dir drafter\ndraftlab eval --checkpoint drafter "
               "--target {1} --prompts prompts.jsonl --out report.json\n```".format(
-                  repo or "ORG/NAME", base or meta.get("target") or "TARGET")]
+                  repo or "ORG/NAME", target_name(meta))]
     parts += ["## Training", training_section(run, meta)]
     return "\n\n".join(parts) + "\n"

@@ -80,6 +80,9 @@ def build_report(results: list, baseline: dict, *, spec: TreeSpec, sampling: Sam
 
     report = {
         "acceptance_length": _tau(results),
+        # as engines print it: the prefill forward and its token counted too (one of each per prompt)
+        "acceptance_length_incl_prefill": _ratio(sum(r.new_tokens for r in results) + len(results),
+                                                 rounds + len(results)),
         "acceptance_length_per_sample": per_sample,
         "acceptance_length_macro": sum(defined) / len(defined) if defined else None,
         "per_position_acceptance": per_position,
@@ -173,6 +176,7 @@ def report_markdown(report: dict) -> str:
     rows = [
         ("acceptance length tau (micro)", _fmt(report["acceptance_length"])),
         ("tau, mean per prompt (macro)", _fmt(report.get("acceptance_length_macro"))),
+        ("tau incl. the prefill's forward and token", _fmt(report.get("acceptance_length_incl_prefill"))),
         ("draft", _tree_label(report)),
         ("temperature", _fmt(report["temperature"], 2)),
         ("per-position acceptance", ", ".join(_fmt(x, 2) for x in report["per_position_acceptance"])),

@@ -159,7 +159,7 @@ def head_checkpoint(tiny_target, tmp_path_factory):
     (["--repo-id", "me/-lead"], ["not a Hub model id"]),
     (["--repo-id", "me/" + "x" * 97], ["not a Hub model id"]),
     (["--repo-id", "spaces/me/x"], ["space repository"]),
-    (["--repo-id", "me/ok", "--base-model", "not an id"], ["--base-model 'not an id' is not a Hub model id"]),
+    (["--repo-id", "me/ok", "--base-model", "not an id"], ["--base-model not an id is neither a Hub model id"]),
     (["--repo-id", "me/ok", "--revision", "my branch"], ["--revision 'my branch' is not a valid branch name"]),
     (["--repo-id", "me/ok", "--revision", "a..b"], ["--revision 'a..b'"]),
     (["--format", "gguf", "--to", "/tmp/x"], ["draftlab push: error:", "invalid choice"]),

@@ -441,7 +441,7 @@ def test_harmonized_steps_feed_the_heads_own_features(tiny_target):
     loss3, m3 = harmonized.loss(batch, feats)
     assert set(m1) == {"loss_reg", "loss_cls", "acc"} and {"acc_1", "acc_2", "loss_reg_2"} <= set(m3)
     assert m3["loss_reg"] == pytest.approx(m1["loss_reg"]) and loss3 > loss1   # same step 0, more terms
-    losses = _fit(harmonized, batch, feats)
-    assert losses[-1] < 0.5 * losses[0]
+    losses = _fit(harmonized, batch, feats, steps=40)
+    assert losses[-1] < 0.75 * losses[0]
     with pytest.raises(ValueError, match="harmonized_steps=0"):
         EagleHead.from_target(model, SimpleNamespace(harmonized_steps=0))

@@ -47,6 +47,11 @@ from draftlab.drafters.eagle import EagleProposer, own_feature_steps, ttt_mask
 from draftlab.vocab import AUTO_DRAFT_VOCAB, expand_logits, vocab_maps  # noqa: F401  (re-exported)
 
 _DEFAULTS = {"ttt_steps": 7, "ttt_decay": 0.8, "draft_vocab_size": 0, "init_from_target": False}
+# Variants of the speculators format (Eagle3SpeculatorConfig), off in the EAGLE-3 paper's layout and in what draftlab
+# trains; on in heads speculators trains by default, which `draftlab eval` imports: norm_before_fc = an RMSNorm over
+# the concatenated aux states before fc; norm_before_residual = the first layer's residual is the normed fused state;
+# norm_output = each step's output is normed before it is fed back and before the draft LM head.
+_VARIANTS = {"norm_before_fc": False, "norm_before_residual": False, "norm_output": False}
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -68,7 +73,8 @@ class EagleHead3(nn.Module):
     kind = "eagle3"
 
     def __init__(self, target, aux_layers: list[int] | None = None, ttt_steps: int = 7, ttt_decay: float = 0.8,
-                 draft_vocab_size: int = 0, draft_vocab: list[int] | None = None, init_from_target: bool = False):
+                 draft_vocab_size: int = 0, draft_vocab: list[int] | None = None, init_from_target: bool = False,
+                 norm_before_fc: bool = False, norm_before_residual: bool = False, norm_output: bool = False):
         super().__init__()
         decoder = target.get_decoder()
         config = copy.deepcopy(target.config.get_text_config(decoder=True))
@@ -96,8 +102,12 @@ class EagleHead3(nn.Module):
         self.draft_vocab_size = draft_vocab_size if 0 < draft_vocab_size < config.vocab_size else 0
 
         d = config.hidden_size
+        self.norm_before_fc, self.norm_before_residual = norm_before_fc, norm_before_residual
+        self.norm_output = norm_output
         self.fc = nn.Linear(len(aux) * d, d, bias=False)
         self.layer = type(decoder.layers[0])(config, layer_idx=0)
+        if norm_before_fc:
+            self.input_norm = type(decoder.norm)(len(aux) * d, eps=config.rms_norm_eps)
         self.emb_norm = copy.deepcopy(self.layer.input_layernorm)     # input_layernorm normalises the hidden s
         attn = self.layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):                    # attention reads [emb; hidden]: 2d wide
@@ -153,7 +163,8 @@ class EagleHead3(nn.Module):
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
                 "ttt_steps": self.ttt_steps, "ttt_decay": self.ttt_decay, "draft_vocab_size": self.draft_vocab_size,
                 "init_from_target": self.init_from_target,
-                "draft_vocab": self.draft_vocab.tolist() if self.draft_vocab_size else None}
+                "draft_vocab": self.draft_vocab.tolist() if self.draft_vocab_size else None,
+                **{k: getattr(self, k) for k in _VARIANTS}}
 
     @classmethod
     def from_config(cls, config: dict, target) -> "EagleHead3":
@@ -163,7 +174,7 @@ class EagleHead3(nn.Module):
                 raise ValueError(f"eagle3 checkpoint was trained for {key}={config[key]} but the target has "
                                  f"{getattr(text, key)}: load it with the target it was trained on")
         return cls(target, aux_layers=config["aux_layers"], draft_vocab=config.get("draft_vocab"),
-                   **{k: config.get(k, v) for k, v in _DEFAULTS.items() if k != "init_from_target"})
+                   **{k: config.get(k, v) for k, v in {**_DEFAULTS, **_VARIANTS}.items() if k != "init_from_target"})
 
     def prepare(self, dataset) -> None:
         """Build the draft vocabulary from the assistant-token frequencies of the training rows
@@ -216,24 +227,27 @@ class EagleHead3(nn.Module):
                 cache: DynamicCache | None = None) -> Tensor:
         """features [B,S,A*d] fused target states g_t, or [B,S,d] the head's own earlier outputs (fed raw, as at
         inference); input_ids [B,S]; position_ids [B,S]; attention_mask additive [B,1,S,K] (K = cached + S);
-        cache: the head's KV cache, extended in place. Returns o [B,S,d] (un-normed)."""
+        cache: the head's KV cache, extended in place. Returns o [B,S,d] (un-normed; normed with norm_output)."""
         dtype = self.fc.weight.dtype
         s = features.to(dtype)
         if s.shape[-1] != self.hidden_size:
-            s = self.fc(s)
+            s = self.fc(self.input_norm(s) if self.norm_before_fc else s)
         emb = self._borrowed.embed(input_ids).to(dtype)
-        u = torch.cat([self.emb_norm(emb), self.layer.input_layernorm(s)], dim=-1)
+        normed = self.layer.input_layernorm(s)
+        u = torch.cat([self.emb_norm(emb), normed], dim=-1)
         position_embeddings = self._borrowed.rotary(s, position_ids)
         if attention_mask is not None:
             attention_mask = attention_mask.to(s.dtype)
         attn = self.layer.self_attn(hidden_states=u, position_embeddings=position_embeddings,
                                     attention_mask=attention_mask, past_key_values=cache)[0]
-        h = s + attn
-        return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
+        h = (normed if self.norm_before_residual else s) + attn
+        o = h + self.layer.mlp(self.layer.post_attention_layernorm(h))
+        return self.norm(o) if self.norm_output else o
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., d] -> logits over the draft vocabulary [..., Vd]."""
-        return self.lm_head(self.norm(hidden.to(self.lm_head.weight.dtype)))
+        hidden = hidden.to(self.lm_head.weight.dtype)
+        return self.lm_head(hidden if self.norm_output else self.norm(hidden))
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., d] -> logits over the target vocabulary [..., V], -inf outside the draft vocabulary."""
