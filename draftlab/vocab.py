@@ -77,6 +77,15 @@ def expand_logits(small: Tensor, draft_vocab: Tensor, vocab_size: int) -> Tensor
     return full.index_copy(-1, draft_vocab, small)
 
 
+def checkpoint_maps(draft_vocab: Tensor, vocab_size: int) -> dict[str, dict[str, Tensor]]:
+    """The d2t / t2d maps as a checkpoint file for other tools (`checkpoint_tensors`); {} for an empty (full)
+    draft vocabulary."""
+    if not len(draft_vocab):
+        return {}
+    d2t, t2d = vocab_maps(draft_vocab, vocab_size)
+    return {"d2t_t2d.safetensors": {"d2t": d2t, "t2d": t2d}}
+
+
 def draft_index(draft_vocab: Tensor, vocab_size: int) -> Tensor:
     """draft_vocab [Vd] -> [V] long: the draft index of every target id, -1 outside the draft vocabulary
     (maps labels onto the rows of a reduced head)."""
@@ -149,10 +158,7 @@ class DraftHead(torch.nn.Module):
 
     def maps(self) -> dict[str, dict[str, Tensor]]:
         """The d2t / t2d maps as a checkpoint file for other tools ({} for the full vocabulary)."""
-        if not self.reduced:
-            return {}
-        d2t, t2d = vocab_maps(self.draft_vocab, self.vocab_size)
-        return {"d2t_t2d.safetensors": {"d2t": d2t, "t2d": t2d}}
+        return checkpoint_maps(self.draft_vocab, self.vocab_size)
 
 
 def lm_step(model, head: DraftHead, keep: int = 1, **inputs) -> tuple[Tensor, Tensor]:
