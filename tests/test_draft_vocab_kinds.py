@@ -291,3 +291,28 @@ def test_acceptance_labels_the_drafts_its_base_can_make_and_learns(tiny_target, 
     before = fixed_loss()
     _train(head, lambda step: (batch, None), 15)
     assert fixed_loss() < before
+
+
+# --- the training loop ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", ["eagle_head", "distill_offline_blackbox", "medusa_heads"])
+def test_recipes_train_evaluate_and_resume_with_a_draft_vocabulary(recipe, tiny_target_dir, tiny_chat_file,
+                                                                   tiny_prompt_file, tmp_path):
+    """train.main chooses the vocabulary (prepare), evaluates before training (the drafter's rows are first read
+    under inference_mode, then trained through), saves it, and a resumed run keeps the same vocabulary."""
+    from draftlab.config import load_config
+    from draftlab.train import main
+
+    out = tmp_path / "run"
+    args = [f"recipe={recipe}", f"target.path={tiny_target_dir}", f"data.train={tiny_chat_file}",
+            f"data.eval_prompts={tiny_prompt_file}", f"out_dir={out}", "data.regenerate_from=''",
+            "eval.num_prompts=2", "eval.max_new_tokens=12", "eval.every=2", "eval.at_start=true",
+            "train.batch_size=4", "train.grad_accum=1", "train.warmup_steps=0", "data.max_length=160",
+            "tracking=none", "drafter.num_layers=1", "drafter.medusa_tree_nodes=16", f"drafter.draft_vocab_size={SIZE}"]
+    main(load_config(args + ["train.max_steps=2"]))
+    main(load_config(args + ["train.max_steps=3", "train.resume=auto"]))
+    vocabularies = [json.loads((out / f"step_{s}" / ckpt.CONFIG_NAME).read_text())["draft_vocab"] for s in (0, 2, 3)]
+    assert len(vocabularies[0]) == SIZE and vocabularies[0] == vocabularies[1] == vocabularies[2]
+    for step in (0, 2):
+        report = json.loads((out / f"step_{step}" / "eval.json").read_text())
+        assert report["lossless"] is True, step
