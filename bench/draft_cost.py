@@ -154,7 +154,7 @@ def main(argv=None) -> dict:
                                                                   for rd in rounds])})
     loads = [x for rd in rounds for x in rd["load_average"] if x is not None]
     result = {
-        "command": "python " + " ".join([Path(sys.argv[0]).name] + sys.argv[1:]) if argv is None else argv,
+        "command": "python bench/draft_cost.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "started": started, "target": args.target, "prompt_tokens": len(prompt), "dtype": str(target.dtype),
         "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads()},
         "vocabulary": vocab_info, "length": args.length, "medusa_heads": args.medusa_heads,

@@ -392,7 +392,7 @@ def main(argv=None):
         print("\n" + md)
         out.with_suffix(".md").write_text(md)
         plot_curve(result["curve"], out.with_name(out.stem + "_curve.png"),
-                   f"verification cost, {args.target or 'tiny random Llama'}, prefix {args.prefix_len}, "
+                   f"verification cost, {Path(args.target).name or 'tiny random Llama'}, prefix {args.prefix_len}, "
                    f"{torch.get_num_threads()} thread(s)")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {out}" + (f", {out.with_suffix('.md')}, {out.stem}_curve.png" if args.curve else ""))
