@@ -29,6 +29,7 @@ from transformers import DynamicCache
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from draftlab.costs import _timed  # noqa: E402
 from draftlab.evaluator import compact_cache, load_average, speculative_generate  # noqa: E402
 from draftlab.proposers import PromptLookupProposer, RandomProposer  # noqa: E402
 from draftlab.trees import (TreeSpec, node_depths, static_tree_layout, tree_attention_bias,  # noqa: E402
@@ -99,13 +100,8 @@ def _summary(values: list[float]) -> dict:
 
 
 def _median_ms(fn, repeats: int = 10) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
+    """Milliseconds of fn(), median of `repeats` calls after a warm-up one."""
+    return 1000 * _timed(fn, repeats)
 
 
 @torch.inference_mode()

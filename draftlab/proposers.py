@@ -218,7 +218,8 @@ class TargetCopyProposer:
             for f, logits in zip(frontier, self._expand(frontier)):
                 top = logits.float().log_softmax(-1).topk(min(spec.top_k, logits.shape[-1]))
                 base = self.nodes[f]["score"]
-                children += [self._add(t, f, score=base + s) for s, t in zip(top.values.tolist(), self._ids(top.indices))]
+                children += [self._add(t, f, score=base + s)
+                             for s, t in zip(top.values.tolist(), self._ids(top.indices))]
             frontier = sorted(children, key=lambda c: -self.nodes[c]["score"])[: spec.top_k]
         full = self._tree("topk", with_q=False)
         scores = torch.tensor([n["score"] for n in self.nodes])

@@ -150,7 +150,8 @@ class AcceptanceHead(nn.Module):
     def _draft_and_label(self, base_states: Tensor, target_states: Tensor, chunk: int = 1024):
         """base_states [N, d], target_states [N, D] at the drafted positions -> drafted [N], labels [N]. A chunk
         of positions at a time, so the [N, V] logits of both models never exist in full."""
-        lm_q, lm_p = self.base.draft_head.full, self.target.get_output_embeddings()   # q: -inf outside the draft vocabulary
+        # q: the base drafter's logits on its draft vocabulary (-inf outside), what its proposer drafts from
+        lm_q, lm_p = self.base.draft_head.full, self.target.get_output_embeddings()
         pieces = [draft_and_label(lm_q(b), lm_p(t), self.settings["acceptance_label"])
                   for b, t in zip(base_states.split(chunk), target_states.split(chunk))]
         return torch.cat([d for d, _ in pieces]), torch.cat([label for _, label in pieces])
@@ -193,8 +194,8 @@ class AcceptanceHead(nn.Module):
         """The base drafter's chain proposer with SpecDec++ stopping; None = the value in the drafter config.
         adaptive_threshold=1 never stops early (fixed-k drafting, with the head's predictions still recorded)."""
         threshold = self.settings["adaptive_threshold"] if adaptive_threshold is None else adaptive_threshold
-        return AdaptiveProposer(self.base.model, self, float(threshold),
-                                int(self.settings["min_draft"] if min_draft is None else min_draft), self.base.draft_head)
+        min_draft = int(self.settings["min_draft"] if min_draft is None else min_draft)
+        return AdaptiveProposer(self.base.model, self, float(threshold), min_draft, self.base.draft_head)
 
 
 class AdaptiveProposer(SmallLMProposer):
