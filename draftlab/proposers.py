@@ -104,12 +104,14 @@ class TargetCopyProposer:
       (greedy), or the r-th draw without replacement from its distribution (sampling).
     dynamic: EAGLE-2 expansion (top_k children per frontier node, frontier = best top_k by cumulative
       log-prob) then `rerank` to total_tokens; deterministic ("topk") even when sampling.
+    head (a vocab.DraftHead on the model's LM head; small_lm's trees): the model's decoder is read through it, so
+    only the draft vocabulary's rows are computed and drafted (q zero outside); None = the model's own logits.
     """
 
     feature_layers: tuple[int, ...] = ()
 
-    def __init__(self, target):
-        self.target = target
+    def __init__(self, target, head=None):
+        self.target, self.head = target, head
         self.seq: list[int] = []
         self.cache = None
 
@@ -125,7 +127,7 @@ class TargetCopyProposer:
         device = self.target.device
         # catch the own cache up with the committed sequence (root included): logits at the root
         new = torch.tensor(self.seq[self.cache.get_seq_length():], device=device)
-        root_logits = self.target(input_ids=new[None], past_key_values=self.cache, use_cache=True).logits[0, -1]
+        root_logits = self._logits(1, input_ids=new[None], past_key_values=self.cache, use_cache=True)[-1]
         self.base = self.cache.get_seq_length()
         self.nodes: list[dict] = []          # token, parent, depth, ancestors (incl. self), q
         self.in_cache: list[int] = []        # node index of every tree position appended to the cache
@@ -139,6 +141,19 @@ class TargetCopyProposer:
             return self._static(layout, root_logits, sampling, generator)
         finally:   # keep the committed prefix without the root: a repeated propose (cost measurement) feeds it again
             self.cache.crop(self.base - 1 - self.cache.get_seq_length())
+
+    def _logits(self, keep: int, **inputs) -> Tensor:
+        """Logits [n, V] of a batch-1 forward (draft logits [n, Vd] through `head`), the last `keep` positions
+        when the head is used (0 = all)."""
+        if self.head is None:
+            return self.target(**inputs).logits[0]
+        from draftlab.vocab import lm_step
+
+        return lm_step(self.target, self.head, keep, **inputs)[1][0]
+
+    def _ids(self, index: Tensor) -> list[int]:
+        """Indices into `_logits`' last dimension -> target token ids."""
+        return (self.head.to_target(index) if self.head is not None else index).tolist()
 
     def _add(self, token: int, parent: int, q: Tensor | None = None, score: float = 0.0) -> int:
         depth = 1 if parent < 0 else self.nodes[parent]["depth"] + 1
@@ -158,10 +173,10 @@ class TargetCopyProposer:
             bias[0, 0, row, hidden] = torch.finfo(dtype).min
         ids = torch.tensor([self.nodes[f]["token"] for f in frontier], device=device)
         pos = torch.tensor([self.base - 1 + self.nodes[f]["depth"] for f in frontier], device=device)
-        out = self.target(input_ids=ids[None], attention_mask=bias, position_ids=pos[None],
-                          past_key_values=self.cache, use_cache=True)
+        logits = self._logits(0, input_ids=ids[None], attention_mask=bias, position_ids=pos[None],
+                              past_key_values=self.cache, use_cache=True)
         self.in_cache += frontier
-        return out.logits[0]
+        return logits
 
     def _static(self, layout: list[list[int]], root_logits: Tensor, sampling: Sampling,
                 generator: torch.Generator | None) -> DraftTree:
@@ -187,24 +202,24 @@ class TargetCopyProposer:
                         slot[i] = self._add(drawn[ranks[i]], node, q)
         return self._tree("topk" if sampling.greedy else "without_replacement", with_q=not sampling.greedy)
 
-    @staticmethod
-    def _children(logits: Tensor, m: int, sampling: Sampling, generator) -> tuple[list[int], Tensor | None]:
+    def _children(self, logits: Tensor, m: int, sampling: Sampling, generator) -> tuple[list[int], Tensor | None]:
         """m ranked children: top-m (greedy) or m draws without replacement (as many as the support has)."""
         if sampling.greedy:
-            return logits.topk(m).indices.tolist(), None
-        q = sampling.probs(logits)
+            return self._ids(logits.topk(min(m, logits.shape[-1])).indices), None
+        q = sampling.probs(self.head.expand(logits) if self.head is not None else logits)
         m = min(m, int((q > 0).sum()))
         return torch.multinomial(q, m, replacement=False, generator=generator).tolist(), q
 
     def _dynamic(self, spec: TreeSpec, root_logits: Tensor) -> DraftTree:
-        logp = root_logits.float().log_softmax(-1).topk(spec.top_k)
-        frontier = [self._add(t, -1, score=s) for s, t in zip(logp.values.tolist(), logp.indices.tolist())]
+        logp = root_logits.float().log_softmax(-1).topk(min(spec.top_k, root_logits.shape[-1]))
+        frontier = [self._add(t, -1, score=s) for s, t in zip(logp.values.tolist(), self._ids(logp.indices))]
         for _ in range(spec.depth - 1):
             children = []
             for f, logits in zip(frontier, self._expand(frontier)):
-                top = logits.float().log_softmax(-1).topk(spec.top_k)
+                top = logits.float().log_softmax(-1).topk(min(spec.top_k, logits.shape[-1]))
                 base = self.nodes[f]["score"]
-                children += [self._add(t, f, score=base + s) for s, t in zip(top.values.tolist(), top.indices.tolist())]
+                children += [self._add(t, f, score=base + s)
+                             for s, t in zip(top.values.tolist(), self._ids(top.indices))]
             frontier = sorted(children, key=lambda c: -self.nodes[c]["score"])[: spec.top_k]
         full = self._tree("topk", with_q=False)
         scores = torch.tensor([n["score"] for n in self.nodes])

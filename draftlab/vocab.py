@@ -77,6 +77,23 @@ def expand_logits(small: Tensor, draft_vocab: Tensor, vocab_size: int) -> Tensor
     return full.index_copy(-1, draft_vocab, small)
 
 
+def checkpoint_maps(draft_vocab: Tensor, vocab_size: int) -> dict[str, dict[str, Tensor]]:
+    """The d2t / t2d maps as a checkpoint file for other tools (`checkpoint_tensors`); {} for an empty (full)
+    draft vocabulary."""
+    if not len(draft_vocab):
+        return {}
+    d2t, t2d = vocab_maps(draft_vocab, vocab_size)
+    return {"d2t_t2d.safetensors": {"d2t": d2t, "t2d": t2d}}
+
+
+def draft_index(draft_vocab: Tensor, vocab_size: int) -> Tensor:
+    """draft_vocab [Vd] -> [V] long: the draft index of every target id, -1 outside the draft vocabulary
+    (maps labels onto the rows of a reduced head)."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long, device=draft_vocab.device)
+    index[draft_vocab] = torch.arange(len(draft_vocab), device=draft_vocab.device)
+    return index
+
+
 class DraftHead(torch.nn.Module):
     """An LM head (held, not owned: never trained, saved or moved through this module) read on a draft vocabulary.
 
@@ -93,6 +110,7 @@ class DraftHead(torch.nn.Module):
         self.register_buffer("draft_vocab", torch.zeros(0, dtype=torch.long, device=lm_head.weight.device),
                              persistent=False)
         self._rows: Tensor | None = None
+        self._rows_key: tuple | None = None
 
     @property
     def reduced(self) -> bool:
@@ -105,11 +123,19 @@ class DraftHead(torch.nn.Module):
         self._rows = None
 
     def rows(self) -> Tensor:
+        """The head's weight rows of the draft vocabulary [Vd, d]: gathered at every call while gradients flow to
+        a trainable head, otherwise gathered once per weight version (an optimiser step bumps it) and kept."""
         weight = self.lm_head.weight
-        if weight.requires_grad:
-            return weight[self.draft_vocab.to(weight.device)]
-        if self._rows is None or self._rows.device != weight.device or self._rows.dtype != weight.dtype:
-            self._rows = weight[self.draft_vocab.to(weight.device)].detach()
+        index = self.draft_vocab.to(weight.device)
+        if weight.requires_grad and torch.is_grad_enabled():
+            return weight[index]
+        key = (weight.data_ptr(), weight.device, weight.dtype, weight._version)
+        if self._rows is None or self._rows_key != key:
+            # a normal tensor even when first read under inference_mode (a drafter evaluated before it trains):
+            # an inference tensor could not be saved for the backward of a later training loss
+            with torch.inference_mode(False), torch.no_grad():
+                self._rows = weight[index].detach()
+            self._rows_key = key
         return self._rows
 
     def small(self, hidden: Tensor) -> Tensor:
@@ -120,16 +146,30 @@ class DraftHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden, self.rows(), bias[self.draft_vocab] if bias is not None else None)
 
     def full(self, hidden: Tensor) -> Tensor:
-        small = self.small(hidden)
-        return expand_logits(small, self.draft_vocab, self.vocab_size) if self.reduced else small
+        return self.expand(self.small(hidden))
 
     def to_target(self, index: Tensor) -> Tensor:
         """Draft-vocabulary indices -> target token ids."""
         return self.draft_vocab[index] if self.reduced else index
 
+    def expand(self, small: Tensor) -> Tensor:
+        """Draft logits [..., Vd] -> logits over the target vocabulary [..., V], -inf outside the draft vocabulary."""
+        return expand_logits(small, self.draft_vocab, self.vocab_size) if self.reduced else small
+
     def maps(self) -> dict[str, dict[str, Tensor]]:
         """The d2t / t2d maps as a checkpoint file for other tools ({} for the full vocabulary)."""
-        if not self.reduced:
-            return {}
-        d2t, t2d = vocab_maps(self.draft_vocab, self.vocab_size)
-        return {"d2t_t2d.safetensors": {"d2t": d2t, "t2d": t2d}}
+        return checkpoint_maps(self.draft_vocab, self.vocab_size)
+
+
+def lm_step(model, head: DraftHead, keep: int = 1, **inputs) -> tuple[Tensor, Tensor]:
+    """One forward of a causal LM read through a draft head: the decoder (`model.get_decoder()`, which a
+    peft-wrapped model forwards too) over `inputs` (input_ids, attention_mask, position_ids, past_key_values,
+    use_cache), then the head on the last `keep` positions only (0 = every position), so the full vocabulary
+    projection never runs. Returns (hidden [B, keep, d] after the final norm, logits [B, keep, Vd]).
+
+    Whatever a model family's own forward applies after its LM head (logit soft-capping or scaling) is skipped:
+    the draft distribution is then the one computed here, which is all verification needs to stay lossless.
+    """
+    hidden = model.get_decoder()(**inputs).last_hidden_state
+    hidden = hidden[:, -keep:] if keep else hidden
+    return hidden, head.small(hidden)

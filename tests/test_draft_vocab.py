@@ -148,11 +148,14 @@ def _exact_joint(model, prompt, sampling) -> torch.Tensor:
     return joint
 
 
-def test_sampled_reduced_vocabulary_emits_the_target_distribution(six_token_target):
+@pytest.mark.parametrize("kind", ["eagle", "small_lm"])
+def test_sampled_reduced_vocabulary_emits_the_target_distribution(six_token_target, kind):
     """Half the vocabulary is never drafted, yet every token comes out as often as the target says."""
+    from draftlab.drafters.small_lm import SmallLM
+
     model, draft_vocab = six_token_target, [0, 2, 3]
     torch.manual_seed(0)
-    head = EagleHead.from_target(model, _cfg()).eval()
+    head = (EagleHead if kind == "eagle" else SmallLM).from_target(model, _cfg(num_layers=1)).eval()
     head.draft_head.set_vocab(draft_vocab)
     sampling, spec = Sampling(temperature=1.0), TreeSpec(kind="chain", draft_length=2)
     prompt = torch.tensor([1, 4, 2])

@@ -16,7 +16,10 @@ which is what greedy verification accepts.
 Decoding (SpecDec++ stopping rule): after each draft token the head gives p_hat; drafting stops once the chance
 that some token of the chain is rejected, 1 - prod(p_hat), exceeds `adaptive_threshold`, with at least
 `min_draft` and at most `TreeSpec.draft_length` tokens. A threshold of 1 never stops early (fixed-k drafting).
-Only the head is saved; the base drafter is reloaded from the folder named in the config (`base`).
+Only the head is saved; the base drafter is reloaded from the folder named in the config (`base`), with its draft
+vocabulary (small_lm's `draft_vocab_size`): the head's proposer drafts inside it, and training drafts Y_t from
+the same q the proposer uses (the base's distribution renormalised on its draft vocabulary), so the labels
+describe the drafts that decoding will really make.
 """
 from __future__ import annotations
 
@@ -147,7 +150,8 @@ class AcceptanceHead(nn.Module):
     def _draft_and_label(self, base_states: Tensor, target_states: Tensor, chunk: int = 1024):
         """base_states [N, d], target_states [N, D] at the drafted positions -> drafted [N], labels [N]. A chunk
         of positions at a time, so the [N, V] logits of both models never exist in full."""
-        lm_q, lm_p = self.base.model.get_output_embeddings(), self.target.get_output_embeddings()
+        # q: the base drafter's logits on its draft vocabulary (-inf outside), what its proposer drafts from
+        lm_q, lm_p = self.base.draft_head.full, self.target.get_output_embeddings()
         pieces = [draft_and_label(lm_q(b), lm_p(t), self.settings["acceptance_label"])
                   for b, t in zip(base_states.split(chunk), target_states.split(chunk))]
         return torch.cat([d for d, _ in pieces]), torch.cat([label for _, label in pieces])
@@ -190,8 +194,8 @@ class AcceptanceHead(nn.Module):
         """The base drafter's chain proposer with SpecDec++ stopping; None = the value in the drafter config.
         adaptive_threshold=1 never stops early (fixed-k drafting, with the head's predictions still recorded)."""
         threshold = self.settings["adaptive_threshold"] if adaptive_threshold is None else adaptive_threshold
-        return AdaptiveProposer(self.base.model, self, float(threshold),
-                                int(self.settings["min_draft"] if min_draft is None else min_draft))
+        min_draft = int(self.settings["min_draft"] if min_draft is None else min_draft)
+        return AdaptiveProposer(self.base.model, self, float(threshold), min_draft, self.base.draft_head)
 
 
 class AdaptiveProposer(SmallLMProposer):
@@ -202,31 +206,18 @@ class AdaptiveProposer(SmallLMProposer):
     the evaluator pairs these with the verdicts for calibration. `adaptive` describes the rule for the report.
     """
 
-    def __init__(self, model, head: AcceptanceHead, threshold: float, min_draft: int = 1):
-        self.head, self.threshold, self.min_draft = head, threshold, max(1, min_draft)
-        self.hidden: Tensor | None = None
+    def __init__(self, model, head: AcceptanceHead, threshold: float, min_draft: int = 1, draft_head=None):
+        self.acceptance, self.threshold, self.min_draft = head, threshold, max(1, min_draft)
         self.predicted_acceptance: list[float] | None = None
-        super().__init__(model)
+        super().__init__(model, draft_head)
 
     @property
     def adaptive(self) -> dict | None:
         """The stopping rule for the report; None at threshold >= 1, which is fixed-k drafting."""
         return {"threshold": self.threshold, "min_draft": self.min_draft} if self.threshold < 1.0 else None
 
-    def _logits(self, new: list[int]) -> Tensor:
-        """As SmallLMProposer._logits (feed tokens after the cache, logits [V] after the last), also keeping the
-        drafter's last hidden state [d] there, which the head reads."""
-        device = self.model.device
-        out = self.model(input_ids=torch.tensor([new], device=device), past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1, output_hidden_states=True)
-        self.cached.extend(new)
-        self.hidden = out.hidden_states[-1][0, -1]
-        return out.logits[0, -1].float()
-
     @torch.inference_mode()
     def propose(self, spec, sampling, generator: torch.Generator | None = None):
-        from draftlab.trees import chain
-
         self.predicted_acceptance = None
         if spec.kind != "chain":
             return super().propose(spec, sampling, generator)
@@ -235,20 +226,12 @@ class AdaptiveProposer(SmallLMProposer):
         survival = 1.0                                   # predicted chance that every draft so far is accepted
         for i in range(spec.draft_length):
             if i > 0:                                    # the drafter consumes token i-1: judge it, maybe stop
-                logits = self._logits([int(tokens[-1])])
-                p_hat = float(torch.sigmoid(self.head(self.hidden).float()))
+                logits = self._logits([int(tokens[-1])])       # also keeps the drafter's state self.hidden
+                p_hat = float(torch.sigmoid(self.acceptance(self.hidden).float()))
                 predicted.append(p_hat)
                 survival *= p_hat
                 if i >= self.min_draft and 1.0 - survival > self.threshold:
                     break
-            if sampling.greedy:
-                tokens.append(logits.argmax())
-            else:
-                qs.append(sampling.probs(logits))
-                tokens.append(torch.multinomial(qs[-1], 1, generator=generator)[0])
+            tokens.append(self._draw(logits, sampling, generator, qs))
         self.predicted_acceptance = predicted + [math.nan] * (len(tokens) - len(predicted))
-        if not tokens:
-            return chain(torch.zeros(0, dtype=torch.long, device=logits.device))
-        if sampling.greedy:
-            return chain(torch.stack(tokens))
-        return chain(torch.stack(tokens), torch.stack(qs), "with_replacement")
+        return self._chain(tokens, qs, logits.device)

@@ -29,7 +29,6 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from draftlab import vocab
-from draftlab.vocab import expand_logits
 
 _DEFAULTS = {"num_layers": 1, "feature_noise": 0.2, "reg_weight": 1.0, "cls_weight": 0.1, "fc_bias": True,
              "draft_vocab_size": 0, "init_from_target": False, "harmonized_steps": 1, "topk_weight": 0.0}
@@ -205,7 +204,7 @@ class EagleHead(nn.Module):
 
     def logits_from_draft(self, small: Tensor) -> Tensor:
         """Draft logits [..., Vd] -> logits over the target vocabulary [..., V], -inf outside the draft vocabulary."""
-        return expand_logits(small, self.draft_head.draft_vocab, self.vocab_size) if self.draft_head.reduced else small
+        return self.draft_head.expand(small)
 
     def loss(self, batch: dict, features: Tensor) -> tuple[Tensor, dict[str, float]]:
         """batch: input_ids, attention_mask, loss_mask [B,T]; features [B,T,d] = target features f_t.

@@ -24,6 +24,15 @@ each head's top-10 list holds the label. `drafter_config()` turns those per-head
 static tree of `medusa_tree_nodes` paths (the greedy best-first construction of Medusa: the path
 [i1, ..., id] is worth prod_k acc[k, i_k]) and saves both; an untrained head uses a prior. The proposer uses
 that tree whenever the evaluator asks for a static tree without choices of its own (TreeSpec's default).
+
+Draft vocabulary (`draft_vocab_size`, draftlab/vocab.py): each head's vocabulary projection keeps only the rows
+of the most frequent assistant tokens, initialised from the target's LM-head rows of those tokens and trained as
+the full one is (the heads stay Medusa's: ResBlocks then a per-head linear, only narrower), so drafting reads
+Vd instead of V rows per head and the trainable heads shrink by the same factor. A label outside the draft
+vocabulary has no row: it is left out of the cross-entropy, and counted as a miss in the per-rank accuracies
+(the heads can never draft it, so the static tree sees the acceptance it will really get). The Medusa export
+format has no place for a draft vocabulary: it gets full [V, d] projections, the trained rows in place and the
+target's LM-head rows (their initial value) elsewhere (`full_projections`).
 """
 from __future__ import annotations
 
@@ -34,12 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from draftlab import vocab
 from draftlab.trees import EAGLE_DEFAULT_CHOICES, DraftTree, chain, rerank, static_tree, subtree
 
 TOPK = 10                      # ranks tallied per head, and the widest rank a static tree may use
 TALLY_DECAY = 0.99             # running accuracies weigh the last ~100 training steps
 _DEFAULTS = {"medusa_heads": 4, "medusa_layers": 1, "medusa_decay": 0.8, "medusa_weight": 0.2,
-             "medusa_tree_nodes": 63}
+             "medusa_tree_nodes": 63, "draft_vocab_size": 0}
 _LORA_DEFAULTS = {"lora_r": 32, "lora_alpha": 64, "lora_dropout": 0.0, "kl_weight": 1.0}
 
 
@@ -87,41 +97,94 @@ class MedusaHeads(nn.Module):
 
     def __init__(self, target, medusa_heads: int = 4, medusa_layers: int = 1, medusa_decay: float = 0.8,
                  medusa_weight: float = 0.2, medusa_tree_nodes: int = 63, tree_choices: list | None = None,
-                 head_accuracy: list | None = None):
+                 head_accuracy: list | None = None, draft_vocab_size: int = 0, draft_vocab: list[int] | None = None):
         super().__init__()
         if medusa_heads < 1 or medusa_layers < 0:
             raise ValueError(f"drafter.medusa_heads={medusa_heads} must be >= 1 and medusa_layers={medusa_layers} "
                              ">= 0")
+        vocab.check_size(draft_vocab_size)
         text = target.config.get_text_config()
-        d, vocab = text.hidden_size, text.vocab_size
+        d, vocab_size = text.hidden_size, text.vocab_size
         self.medusa_heads, self.medusa_layers, self.medusa_decay = medusa_heads, medusa_layers, medusa_decay
         self.medusa_weight, self.medusa_tree_nodes = medusa_weight, medusa_tree_nodes
-        self.hidden_size, self.vocab_size = d, vocab
+        self.hidden_size, self.vocab_size, self.draft_vocab_size = d, vocab_size, draft_vocab_size
         lm_head = target.get_output_embeddings()
-        self.heads = nn.ModuleList()
-        for _ in range(medusa_heads):
-            out = nn.Linear(d, vocab, bias=False)
-            with torch.no_grad():
-                out.weight.copy_(lm_head.weight)
-            self.heads.append(nn.Sequential(*[ResBlock(d) for _ in range(medusa_layers)], out))
-        self.to(device=lm_head.weight.device)
-        ranks = min(TOPK, vocab)
+        self.__dict__["target_lm_head"] = lm_head          # held, not owned: the rows a draft vocabulary starts from
+        device = lm_head.weight.device
+        self.register_buffer("draft_vocab", torch.zeros(0, dtype=torch.long, device=device), persistent=False)
+        self.register_buffer("label_index", torch.zeros(0, dtype=torch.long, device=device), persistent=False)
+        rows = vocab.as_tensor(draft_vocab, vocab_size, device) if draft_vocab is not None else None
+        rows = rows if rows is not None and len(rows) < vocab_size else None
+        self.heads = nn.ModuleList(nn.Sequential(*[ResBlock(d) for _ in range(medusa_layers)],
+                                                 self._projection(rows)) for _ in range(medusa_heads))
+        if rows is not None:
+            self._install_vocab(rows)
+        self.to(device=device)
+        ranks = min(TOPK, len(rows) if rows is not None else vocab_size)
         self.register_buffer("hits", torch.zeros(medusa_heads, ranks, device=lm_head.weight.device), persistent=False)
         self.register_buffer("seen", torch.zeros(medusa_heads, device=lm_head.weight.device), persistent=False)
         self.saved_accuracy = torch.tensor(head_accuracy) if head_accuracy is not None else None
         self.saved_choices = tree_choices
 
+    def _projection(self, rows: Tensor | None) -> nn.Linear:
+        """A head's vocabulary projection [len(rows) or V, d], initialised from the target's LM-head rows."""
+        weight = self.target_lm_head.weight
+        out = nn.Linear(self.hidden_size, len(rows) if rows is not None else self.vocab_size, bias=False,
+                        device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            out.weight.copy_(weight[rows] if rows is not None else weight)
+        return out
+
+    def _install_vocab(self, rows: Tensor) -> None:
+        self.draft_vocab, self.label_index = rows, vocab.draft_index(rows, self.vocab_size)
+
+    @property
+    def reduced(self) -> bool:
+        return len(self.draft_vocab) > 0
+
+    def set_vocab(self, token_ids) -> None:
+        """Narrow every head's projection to a draft vocabulary (fresh rows from the target's LM head: call before
+        training, or load the trained weights after)."""
+        rows = vocab.as_tensor(token_ids, self.vocab_size, self.draft_vocab.device)
+        if len(rows) >= self.vocab_size:
+            return
+        for head in self.heads:
+            head[-1] = self._projection(rows)
+        self._install_vocab(rows)
+        self.hits = self.hits.new_zeros(self.medusa_heads, min(TOPK, len(rows)))
+        self.seen.zero_()
+
+    def to_target(self, index: Tensor) -> Tensor:
+        """Indices into `head_logits`' last dimension -> target token ids."""
+        return self.draft_vocab[index] if self.reduced else index
+
+    def logits_from_draft(self, small: Tensor) -> Tensor:
+        """Head logits [..., Vd] -> over the target vocabulary [..., V], -inf outside the draft vocabulary."""
+        return vocab.expand_logits(small, self.draft_vocab, self.vocab_size) if self.reduced else small
+
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_target(cls, target, cfg=None) -> "MedusaHeads":
-        """cfg: any object with medusa_heads, medusa_layers, medusa_decay, medusa_weight, medusa_tree_nodes."""
+        """cfg: any object with medusa_heads, medusa_layers, medusa_decay, medusa_weight, medusa_tree_nodes,
+        draft_vocab_size (missing ones take the defaults)."""
         return cls(target, **{k: getattr(cfg, k, v) for k, v in _DEFAULTS.items()})
 
     def drafter_config(self) -> dict:
         return {"kind": self.kind, "feature_layers": list(self.feature_layers), "hidden_size": self.hidden_size,
                 "vocab_size": self.vocab_size, **{k: getattr(self, k) for k in _DEFAULTS},
                 "head_accuracy": self.head_accuracy().tolist(), "accuracy_measured": bool((self.seen > 0).all()),
-                "tree_choices": self.tree_choices()}
+                "tree_choices": self.tree_choices(),
+                "draft_vocab": self.draft_vocab.tolist() if self.reduced else None}
+
+    def prepare(self, dataset) -> None:
+        """Choose the draft vocabulary (drafter.draft_vocab_size) from the training rows' assistant tokens."""
+        if self.draft_vocab_size:
+            self.set_vocab(vocab.choose(vocab.assistant_token_counts(dataset), self.draft_vocab_size,
+                                        self.vocab_size, who=self.kind))
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, Tensor]]:
+        """The d2t / t2d maps of a draft vocabulary, for other tools ({} for the full vocabulary)."""
+        return vocab.checkpoint_maps(self.draft_vocab, self.vocab_size)
 
     @classmethod
     def _check_target(cls, config: dict, target) -> None:
@@ -135,17 +198,18 @@ class MedusaHeads(nn.Module):
     def from_config(cls, config: dict, target) -> "MedusaHeads":
         cls._check_target(config, target)
         return cls(target, tree_choices=config.get("tree_choices"), head_accuracy=config.get("head_accuracy"),
-                   **{k: config.get(k, v) for k, v in _DEFAULTS.items()})
+                   draft_vocab=config.get("draft_vocab"), **{k: config.get(k, v) for k, v in _DEFAULTS.items()})
 
     # --- heads, loss, measured accuracies -----------------------------------------------------------------
     def head_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [..., d] -> logits [K, ..., V] of every head."""
+        """hidden [..., d] -> logits [K, ..., Vd] of every head (Vd = V without a draft vocabulary; `to_target`)."""
         hidden = hidden.to(self.heads[0][-1].weight.dtype)
         return torch.stack([head(hidden) for head in self.heads])
 
     def heads_loss(self, batch: dict, hidden: Tensor) -> tuple[Tensor, dict[str, float]]:
         """batch: input_ids, attention_mask, loss_mask [B,T]; hidden [B,T,d] post-norm states h_t.
-        Head k reads h_t (t real) and is scored on x_{t+2+k} where that token is a real assistant token."""
+        Head k reads h_t (t real) and is scored on x_{t+2+k} where that token is a real assistant token (and, with
+        a draft vocabulary, in it: a label outside has no row, and counts as a miss in the tallied accuracies)."""
         from draftlab.losses import hard_cross_entropy
 
         ids, attn = batch["input_ids"], batch["attention_mask"].bool()
@@ -157,8 +221,10 @@ class MedusaHeads(nn.Module):
             shift = 2 + k
             if shift >= T:
                 break
-            logits = head(hidden[:, :T - shift].to(head[-1].weight.dtype))             # [B, T-shift, V]
+            logits = head(hidden[:, :T - shift].to(head[-1].weight.dtype))             # [B, T-shift, Vd]
             labels, mask = ids[:, shift:], wanted[:, shift:] & attn[:, :T - shift]
+            if self.reduced:                     # draft indices, -1 (left out of the CE) outside the vocabulary
+                labels = self.label_index[labels]
             ce = hard_cross_entropy(logits, labels, mask)
             total = total + self.medusa_weight * self.medusa_decay ** (k + 1) * ce
             with torch.no_grad():
@@ -217,13 +283,13 @@ class MedusaProposer:
     def propose(self, spec, sampling, generator: torch.Generator | None = None) -> DraftTree:
         if self.last is None:
             raise RuntimeError("MedusaProposer.propose needs commit() with the target's features first")
-        logits = self.heads.head_logits(self.last).float()        # [K, V]
+        logits = self.heads.head_logits(self.last).float()        # [K, Vd]: draft indices, mapped by to_target
         K = logits.shape[0]
         if spec.kind == "chain":
             k = min(spec.draft_length, K)
             if sampling.greedy:
-                return chain(logits[:k].argmax(-1))
-            q = sampling.probs(logits[:k])
+                return chain(self.heads.to_target(logits[:k].argmax(-1)))
+            q = sampling.probs(self.heads.logits_from_draft(logits[:k]))        # [k, V], zero outside
             return chain(torch.multinomial(q, 1, generator=generator)[:, 0], q)
         if spec.kind == "static":
             given = spec.choices is not None and [list(c) for c in spec.choices] != EAGLE_DEFAULT_CHOICES
@@ -233,9 +299,10 @@ class MedusaProposer:
             widest = max(max(c) for c in choices) + 1
             if widest > logits.shape[-1]:
                 raise ValueError(f"static tree choices use rank {widest - 1}, beyond the vocabulary")
-            return static_tree(choices, list(logits.topk(widest, dim=-1).indices))
+            return static_tree(choices, list(self.heads.to_target(logits.topk(widest, dim=-1).indices)))
         if spec.kind == "dynamic":
-            return self._dynamic(logits.log_softmax(-1), min(spec.depth, K), spec.top_k, spec.total_tokens)
+            tree = self._dynamic(logits.log_softmax(-1), min(spec.depth, K), spec.top_k, spec.total_tokens)
+            return DraftTree(self.heads.to_target(tree.tokens), tree.parents)
         raise ValueError(f"unknown tree kind {spec.kind!r}: expected chain, static or dynamic")
 
     @staticmethod
@@ -294,6 +361,7 @@ class Medusa2Lora(MedusaHeads):
     def from_config(cls, config: dict, target) -> "Medusa2Lora":
         cls._check_target(config, target)
         return cls(target, tree_choices=config.get("tree_choices"), head_accuracy=config.get("head_accuracy"),
+                   draft_vocab=config.get("draft_vocab"),
                    **{k: config.get(k, v) for k, v in {**_DEFAULTS, **_LORA_DEFAULTS}.items()})
 
     def drafter_config(self) -> dict:
@@ -347,3 +415,18 @@ class Medusa2Lora(MedusaHeads):
         for m in self.backbone.modules():
             if isinstance(m, BaseTunerLayer):
                 m.merge()
+
+
+def full_projections(weights: dict[str, Tensor], draft_vocab: list[int], lm_head_weight: Tensor,
+                     layers: int) -> dict[str, Tensor]:
+    """Head weights named `{k}.{j}...` as exported (heads.* prefix removed) with each draft-vocabulary projection
+    `{k}.{layers}.weight` [Vd, d] widened to [V, d] for formats without a draft vocabulary: the trained rows at
+    their token ids, the target's LM-head rows elsewhere (what every row started from)."""
+    ids = torch.tensor(sorted(draft_vocab), dtype=torch.long)
+    out = dict(weights)
+    for name, w in weights.items():
+        if name.endswith(f".{layers}.weight") and w.shape[0] == len(ids):
+            full = lm_head_weight.detach().to("cpu", w.dtype).clone()
+            full[ids] = w
+            out[name] = full.contiguous()
+    return out

@@ -20,6 +20,15 @@ What it optimises, by `distill_mode` (logits at position t predict token t+1, we
 Why TVD: a draft token drawn from q is accepted with probability sum_x min(p, q) = 1 - TVD(p, q) (method_specs
 1.3), so minimising the expected TVD over the prefixes the drafter will see (its own, on-policy) maximises the
 acceptance rate; the other divergences are smoother surrogates of the same goal.
+
+Draft vocabulary (`draft_vocab_size`, draftlab/vocab.py; FR-Spec, Zhao et al. 2025): the proposer runs the
+model's decoder and only the LM-head rows of the most frequent assistant tokens, and drafts inside them (greedy:
+the argmax over those rows; sampling: q = the drafter's distribution renormalised on them, zero elsewhere).
+Training keeps the full LM head, on purpose: FR-Spec restricts the head at inference only, so every loss above
+stays what it was (a black-box label outside the draft vocabulary has no row to score, and a white-box teacher
+would need renormalising on the draft vocabulary, differently per divergence); the exported transformers
+folder, which engines run as `assistant_model` with its full head, stays a fully trained drafter; and the
+argmax over the draft rows of a full-head model is exactly its argmax wherever that token is draftable.
 """
 from __future__ import annotations
 
@@ -31,6 +40,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from draftlab import vocab
 from draftlab.config import ConfigError
 
 MODES = ("offline_blackbox", "offline_whitebox", "online_whitebox", "online_blackbox")
@@ -38,7 +48,7 @@ _DEFAULTS = {"num_layers": 1, "hidden_size": 0, "num_attention_heads": 0, "num_k
              "intermediate_size": 0, "share_embeddings": True, "train_shared_embeddings": False, "init_from": "",
              "lora_r": 0, "lora_alpha": 0, "lora_dropout": 0.0, "distill_mode": "offline_blackbox",
              "distill_loss": "fkl", "distill_temperature": 1.0, "jsd_beta": 0.5, "student_ratio": 0.5,
-             "rollout_tokens": 64, "teacher_topk": 20}
+             "rollout_tokens": 64, "teacher_topk": 20, "draft_vocab_size": 0}
 
 
 class VocabularyMismatchError(ConfigError):
@@ -179,8 +189,9 @@ class SmallLM(nn.Module):
     feature_layers: tuple[int, ...] = ()
     teacher_topk = 0
 
-    def __init__(self, target, model: nn.Module, settings: dict, tokenizer=None):
+    def __init__(self, target, model: nn.Module, settings: dict, tokenizer=None, draft_vocab: list[int] | None = None):
         super().__init__()
+        vocab.check_size(settings["draft_vocab_size"])
         if settings["distill_mode"] not in MODES:
             raise ConfigError(f"drafter.distill_mode is '{settings['distill_mode']}': choose one of {', '.join(MODES)}")
         from draftlab.losses import DIVERGENCES
@@ -195,6 +206,10 @@ class SmallLM(nn.Module):
         self.eos_ids = _eos_ids(target)
         pad = getattr(target.config, "pad_token_id", None)
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
+        # the model's own LM head read on the draft vocabulary (all rows until prepare() or a checkpoint sets one)
+        self.draft_head = vocab.DraftHead(model.get_output_embeddings(), self.vocab_size)
+        if draft_vocab is not None:
+            self.draft_head.set_vocab(draft_vocab)
 
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -205,7 +220,7 @@ class SmallLM(nn.Module):
         return cls._build(target, settings, tokenizer if tokenizer is not None else target_tokenizer(target))
 
     @classmethod
-    def _build(cls, target, s: dict, tokenizer) -> "SmallLM":
+    def _build(cls, target, s: dict, tokenizer, draft_vocab: list[int] | None = None) -> "SmallLM":
         from transformers import AutoModelForCausalLM
 
         if s["init_from"]:
@@ -228,7 +243,7 @@ class SmallLM(nn.Module):
                               lora_dropout=s["lora_dropout"], target_modules="all-linear", task_type="CAUSAL_LM")
             model = get_peft_model(model, lora)
         model.generation_config.pad_token_id = getattr(target.config, "pad_token_id", None)
-        return cls(target, model.to(target.device).train(), s, tokenizer)
+        return cls(target, model.to(target.device).train(), s, tokenizer, draft_vocab)
 
     @staticmethod
     def _copy_embeddings(model, target, freeze: bool) -> None:
@@ -254,12 +269,22 @@ class SmallLM(nn.Module):
         if settings["init_from"]:
             settings["init_from"] = str(Path(settings["init_from"]).resolve())
         return {"kind": self.kind, **settings, "vocab_size": self.vocab_size,
-                "target": target_fingerprint(self.target, self.tokenizer)}
+                "target": target_fingerprint(self.target, self.tokenizer),
+                "draft_vocab": self.draft_head.draft_vocab.tolist() if self.draft_head.reduced else None}
 
     @classmethod
     def from_config(cls, config: dict, target) -> "SmallLM":
         settings = {k: config.get(k, v) for k, v in _DEFAULTS.items()}
-        return cls._build(target, settings, target_tokenizer(target))
+        return cls._build(target, settings, target_tokenizer(target), config.get("draft_vocab"))
+
+    def prepare(self, dataset) -> None:
+        """Choose the draft vocabulary (drafter.draft_vocab_size) from the training rows' assistant tokens."""
+        if self.settings["draft_vocab_size"]:
+            self.draft_head.set_vocab(vocab.choose(vocab.assistant_token_counts(dataset),
+                                                   self.settings["draft_vocab_size"], self.vocab_size, who="small_lm"))
+
+    def checkpoint_tensors(self) -> dict[str, dict[str, Tensor]]:
+        return self.draft_head.maps()
 
     @property
     def vocab_size(self) -> int:
@@ -354,7 +379,7 @@ class SmallLM(nn.Module):
 
     # --- evaluation and export ----------------------------------------------------------------------------
     def proposer(self, target=None, **opts) -> "SmallLMProposer":
-        return SmallLMProposer(self.model)
+        return SmallLMProposer(self.model, self.draft_head)
 
     def export_pretrained(self, folder: str | Path, tokenizer=None) -> Path:
         """Write a standard transformers folder (config, model.safetensors, generation config, tokenizer) that
@@ -371,21 +396,26 @@ class SmallLM(nn.Module):
 
 
 class SmallLMProposer:
-    """Drafts with a causal LM over its own KV cache of the committed sequence.
+    """Drafts with a causal LM over its own KV cache of the committed sequence, through a draft head.
 
-    Chains: greedy argmax ("topk") or draws from q = the processed draft distribution ("with_replacement").
-    The cache keeps whatever prefix of (committed tokens + last drafts) still matches the committed sequence,
-    so accepted drafts are not recomputed. Static / dynamic trees are drafted the same way as with the target
-    (proposers.TargetCopyProposer over this model, with its own cache).
+    Each step runs the model's decoder and `head` (the model's LM head on the draft vocabulary, or all of it)
+    at the newest position only. Chains: greedy argmax ("topk") or draws from q = the processed draft
+    distribution, zero outside the draft vocabulary ("with_replacement"). The cache keeps whatever prefix of
+    (committed tokens + last drafts) still matches the committed sequence, so accepted drafts are not recomputed.
+    Static / dynamic trees are drafted the same way as with the target (proposers.TargetCopyProposer over this
+    model and head, with its own cache).
     """
 
     feature_layers: tuple[int, ...] = ()
 
-    def __init__(self, model):
+    def __init__(self, model, head: vocab.DraftHead | None = None):
         from draftlab.proposers import TargetCopyProposer
 
         self.model = model
-        self.trees = TargetCopyProposer(model)
+        self.head = head if head is not None else vocab.DraftHead(model.get_output_embeddings(),
+                                                                  int(model.get_output_embeddings().weight.shape[0]))
+        self.trees = TargetCopyProposer(model, self.head)
+        self.hidden: Tensor | None = None                  # the decoder's last state [d] (after the final norm)
         self.reset(torch.zeros(0, dtype=torch.long))
 
     def reset(self, prompt_ids: Tensor) -> None:
@@ -400,12 +430,13 @@ class SmallLMProposer:
         self.trees.commit(tokens, features)
 
     def _logits(self, new: list[int]) -> Tensor:
-        """Feed tokens [n] after the cache; logits [V] (float32) after the last one."""
-        device = self.model.device
-        out = self.model(input_ids=torch.tensor([new], device=device), past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1)
+        """Feed tokens [n] after the cache; draft logits [Vd] (float32) after the last one (`self.hidden` keeps
+        the state they were read from)."""
+        hidden, logits = vocab.lm_step(self.model, self.head, input_ids=torch.tensor([new], device=self.model.device),
+                                       past_key_values=self.cache, use_cache=True)
         self.cached.extend(new)
-        return out.logits[0, -1].float()
+        self.hidden = hidden[0, -1]
+        return logits[0, -1].float()
 
     def _catch_up(self) -> Tensor:
         """Drop cached drafts that were not committed; feed the rest of the sequence (at least the root)."""
@@ -420,10 +451,23 @@ class SmallLMProposer:
         self.verified = len(self.seq)
         return logits
 
-    @torch.inference_mode()
-    def propose(self, spec, sampling, generator: torch.Generator | None = None):
+    def _draw(self, logits: Tensor, sampling, generator, qs: list[Tensor]) -> Tensor:
+        """One draft token (a target id) from draft logits [Vd]: the argmax, or a draw from q [V] (appended to qs)."""
+        if sampling.greedy:
+            return self.head.to_target(logits.argmax())
+        qs.append(sampling.probs(self.head.expand(logits)))
+        return torch.multinomial(qs[-1], 1, generator=generator)[0]
+
+    @staticmethod
+    def _chain(tokens: list[Tensor], qs: list[Tensor], device):
         from draftlab.trees import chain
 
+        if not tokens:
+            return chain(torch.zeros(0, dtype=torch.long, device=device))
+        return chain(torch.stack(tokens), torch.stack(qs), "with_replacement") if qs else chain(torch.stack(tokens))
+
+    @torch.inference_mode()
+    def propose(self, spec, sampling, generator: torch.Generator | None = None):
         if spec.kind != "chain":
             return self.trees.propose(spec, sampling, generator)
         logits = self._catch_up()
@@ -431,11 +475,5 @@ class SmallLMProposer:
         for i in range(spec.draft_length):
             if i > 0:
                 logits = self._logits([int(tokens[-1])])
-            if sampling.greedy:
-                tokens.append(logits.argmax())
-            else:
-                qs.append(sampling.probs(logits))
-                tokens.append(torch.multinomial(qs[-1], 1, generator=generator)[0])
-        if sampling.greedy or not tokens:
-            return chain(torch.stack(tokens) if tokens else torch.zeros(0, dtype=torch.long, device=logits.device))
-        return chain(torch.stack(tokens), torch.stack(qs), "with_replacement")
+            tokens.append(self._draw(logits, sampling, generator, qs))
+        return self._chain(tokens, qs, logits.device)
