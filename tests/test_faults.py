@@ -219,7 +219,7 @@ def test_full_disk_while_exporting_keeps_the_previous_export(tiny_target, tmp_pa
     model, tok = tiny_target
     run = tmp_path / "run"
     ckpt.save_drafter(EagleHead.from_target(model, None), run / "step_1")
-    export = hub.export_checkpoint(run, tmp_path / "export", target=model, tokenizer=tok)
+    export = hub.export_checkpoint(run, tmp_path / "export", target=model, tokenizer=tok, base_model="me/tiny")
     before = {p.relative_to(export): p.read_bytes() for p in export.rglob("*") if p.is_file()}
 
     def no_space(folder):
@@ -228,7 +228,7 @@ def test_full_disk_while_exporting_keeps_the_previous_export(tiny_target, tmp_pa
 
     monkeypatch.setattr(model_card, "write_card", no_space)
     with pytest.raises(hub.HubError) as err:
-        hub.export_checkpoint(run, tmp_path / "export", target=model, tokenizer=tok)
+        hub.export_checkpoint(run, tmp_path / "export", target=model, tokenizer=tok, base_model="me/tiny")
     assert str(err.value).startswith("no space left on device: the partial export was removed")
     assert {p.relative_to(export): p.read_bytes() for p in export.rglob("*") if p.is_file()} == before
     assert not (tmp_path / "export.tmp").exists()
