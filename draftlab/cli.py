@@ -75,6 +75,9 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", choices=["chain", "static", "dynamic", "auto"], default="chain",
                    help="draft shape; auto: the best of the auto chain and dynamic trees of 4..48 nodes, chosen "
                         "like --draft-length auto")
+    p.add_argument("--lookup-first", type=int, default=0, metavar="N",
+                   help="draft by prompt lookup whenever the sequence ends with an n-gram (n >= N) seen before, and "
+                        "by the checkpoint's drafter otherwise (chains; 0 = off)")
     p.add_argument("--max-draft-length", type=int, default=8, help="longest chain --draft-length auto considers")
     p.add_argument("--calibration-prompts", default="4",
                    help="for auto shapes: a JSONL prompt file, or N = the first N prompts of --prompts (default 4)")
@@ -128,7 +131,8 @@ def check_eval_args(args) -> None:
     """Every numeric option in range, and no draft longer than the generation, before anything loads."""
     from draftlab.config import SEEDS, ConfigError, range_problem
 
-    ranges = {"draft_length": "[1, inf)", "max_draft_length": "[1, inf)", "repeats": "[1, inf)", "max_new_tokens": "[1, inf)", "depth": "[1, inf)", "top_k": "[1, inf)",
+    ranges = {"lookup_first": "[0, inf)", "draft_length": "[1, inf)", "max_draft_length": "[1, inf)",
+              "repeats": "[1, inf)", "max_new_tokens": "[1, inf)", "depth": "[1, inf)", "top_k": "[1, inf)",
               "total_tokens": "[1, inf)", "temperature": "[0, inf)", "top_p": "(0, 1]", "sampling_top_k": "[0, inf)",
               "num_prompts": "[1, inf)", "seed": SEEDS, "adaptive_threshold": "[0, 1]", "min_draft": "[1, inf)"}
     for name, interval in ranges.items():
@@ -209,7 +213,14 @@ def cmd_eval(argv: list[str]) -> None:
             raise ConfigError("--adaptive-threshold, --min-draft and --fixed-k need an acceptance-head checkpoint "
                               f"(drafter kind 'acceptance'); {args.checkpoint} is a '{drafter.kind}' drafter")
         proposer = drafter.proposer(target, **adaptive)
+        if args.lookup_first:
+            from draftlab.proposers import LookupFirstProposer
+
+            proposer = LookupFirstProposer(proposer, min_ngram=args.lookup_first,
+                                           max_ngram=max(4, args.lookup_first))
         label = f"{foreign.label} ({foreign.kind} format)" if foreign else str(folder)
+        if args.lookup_first:
+            label += f" + prompt lookup first (n >= {args.lookup_first})"
     else:
         from draftlab.proposers import PromptLookupProposer
 

@@ -5,6 +5,9 @@ Row formats (JSON lines, a JSON list, or a `datasets` Hub id), each turned into 
   - chat:            {"messages": [{"role": ..., "content": ...}, ...]}
   - ShareGPT:        {"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}
   - prompt/response: {"prompt": ..., "response"|"completion"|"output": ..., "system": optional}
+  - plain text:      {"text": ...}: a document the target did not write, placed as one assistant turn so that
+                     every token is learned from (fixed-text white-box data: the target only scores it, and its
+                     own next-token distributions are the labels; data_prep/fixed_text.py builds such a corpus)
 Malformed rows are skipped, counted and reported with their location; `strict=True` stops at the first.
 """
 from __future__ import annotations
@@ -145,8 +148,10 @@ def parse_messages(row: object) -> list[dict]:
         if row.get("system"):
             turns.insert(0, {"role": "system", "content": row["system"]})
         keys = ("role", "content")
+    elif "text" in row:
+        turns, keys = [{"role": "assistant", "content": row["text"]}], ("role", "content")
     else:
-        raise RowError("no `messages`, `conversations` or `prompt` field")
+        raise RowError("no `messages`, `conversations`, `prompt` or `text` field")
     if not isinstance(turns, list) or not turns:
         raise RowError("the conversation is empty or not a list")
     return [_turn(t, *keys) for t in turns]

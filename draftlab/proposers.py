@@ -3,6 +3,7 @@
 - PromptLookupProposer: training-free n-gram lookup in the committed sequence (a chain, deterministic).
 - TargetCopyProposer: drafts with the target itself through its own KV cache. Under greedy decoding every
   draft on the greedy path is accepted, so a chain of k gives tau == k+1 exactly: the reference drafter.
+- LookupFirstProposer: prompt lookup in front of a trained drafter (lookup where the sequence repeats itself).
 - RandomProposer: uniformly random tokens: a useless drafter (tau close to 1) for tests and benchmarks.
 All follow the Proposer protocol in ARCHITECTURE.md (feature_layers, reset, commit, propose).
 """
@@ -58,6 +59,39 @@ class PromptLookupProposer:
         if not tokens:
             return empty_tree(self.device)
         return chain(torch.tensor(tokens, device=self.device))
+
+
+class LookupFirstProposer:
+    """A drafter's proposer with prompt lookup in front: when the committed sequence ends with an n-gram
+    (n >= min_ngram) that occurred before, the tokens that followed it are the chain (no model runs); otherwise
+    the drafter drafts. Targets that repeat themselves (small models in loops, code, extraction) give long exact
+    matches, which a trained drafter can miss and lookup gets for free. Chains only: trees go to the drafter.
+
+    Lookup chains are deterministic ("topk"), which the verifier accepts with the target's own probability
+    under sampling, so output stays lossless either way. `lookup_rounds` counts the rounds lookup drafted.
+    """
+
+    def __init__(self, inner, min_ngram: int = 3, max_ngram: int = 4, min_tokens: int = 2):
+        self.inner, self.min_tokens = inner, min_tokens
+        self.lookup = PromptLookupProposer(max_ngram=max_ngram, min_ngram=min_ngram)
+        self.feature_layers = tuple(inner.feature_layers)
+        self.lookup_rounds = 0
+
+    def reset(self, prompt_ids: Tensor) -> None:
+        self.inner.reset(prompt_ids)
+        self.lookup.reset(prompt_ids)
+
+    def commit(self, tokens: Tensor, features: Tensor | None) -> None:
+        self.inner.commit(tokens, features)
+        self.lookup.commit(tokens, None)
+
+    def propose(self, spec: TreeSpec, sampling: Sampling, generator: torch.Generator | None = None) -> DraftTree:
+        if spec.kind == "chain":
+            tokens = self.lookup.lookup(spec.draft_length)
+            if len(tokens) >= min(self.min_tokens, spec.draft_length):
+                self.lookup_rounds += 1
+                return chain(torch.tensor(tokens, device=self.lookup.device))
+        return self.inner.propose(spec, sampling, generator)
 
 
 class RandomProposer:

