@@ -12,7 +12,7 @@
 # bench/peer_speculators/gen_hidden_states.py (transformers, in place of its vLLM-only generate-offline-data).
 #
 # Settings (environment; defaults = the committed run): NAME N EPOCHS VOCAB TTT LR BATCH PACK RATIO MAXLEN
-# NUM_PROMPTS MAX_NEW; STAGES (any of: prep features train eval report); DATA_DIR SPEC_OUT DL_OUT EVAL_DIR.
+# NUM_MTBENCH NUM_HELDOUT MAX_NEW SHAPES; STAGES (any of: prep features train eval report); DATA_DIR SPEC_OUT DL_OUT EVAL_DIR.
 # Every stage skips work whose output exists, so a rerun continues.
 set -euo pipefail
 SPEC_VENV=${1:?usage: bash bench/peer_speculators.sh SPECULATORS_VENV}
@@ -29,7 +29,8 @@ BATCH=${BATCH:-8}           # draftlab: conversations per step (padded); specula
 PACK=${PACK:-2048}
 RATIO=${RATIO:-0.98}        # speculators keeps int(rows * RATIO) rows for training, the rest for validation
 MAXLEN=${MAXLEN:-512}
-NUM_PROMPTS=${NUM_PROMPTS:-20}
+NUM_MTBENCH=${NUM_MTBENCH:-20}   # the first 20 MT-bench first turns
+NUM_HELDOUT=${NUM_HELDOUT:-24}   # all 24 held-out prompts of the training distribution
 MAX_NEW=${MAX_NEW:-128}
 STAGES=${STAGES:-prep features train eval report}
 DATA=${DATA:-$ROOT/../shared/bench/smollm2_answers.jsonl}
@@ -122,6 +123,7 @@ if has eval; then
   # set and shape run at the same time (one thread each), so they face the same machine load
   declare -A SETS=([mtbench]="$ROOT/../shared/bench/mtbench.jsonl" [heldout]="$ROOT/data_prep/prompts/heldout_train_dist.jsonl")
   declare -A CKPT=([speculators]="$SPEC_OUT/checkpoint_best" [draftlab]="$DL_OUT")
+  declare -A NUM=([mtbench]="$NUM_MTBENCH" [heldout]="$NUM_HELDOUT")
   for shape in ${SHAPES:-chain dynamic}; do
     if [ "$shape" = chain ]; then opts="--tree chain --draft-length 5"; else opts="--tree dynamic --depth 5 --top-k 8 --total-tokens 48"; fi
     for set in mtbench heldout; do
@@ -131,7 +133,7 @@ if has eval; then
         out="$EVAL_DIR/${trainer}_${set}_${shape}.json"
         [ -f "$out" ] && continue
         ( /usr/bin/time -v $PY -m draftlab.cli eval --checkpoint "${CKPT[$trainer]}" --prompts "${SETS[$set]}" \
-            --num-prompts "$NUM_PROMPTS" --max-new-tokens "$MAX_NEW" $opts --repeats 1 --out "$out" \
+            --num-prompts "${NUM[$set]}" --max-new-tokens "$MAX_NEW" $opts --repeats 1 --out "$out" \
             > "${out%.json}.log" 2>&1 ) & pids+=($!)
       done
       log "eval $set $shape: ${#pids[@]} job(s)"
@@ -146,5 +148,5 @@ fi
 if has report; then
   $PY "$HERE/report.py" --data-dir "$DATA_DIR" --spec-out "$SPEC_OUT" --dl-out "$DL_OUT" --eval-dir "$EVAL_DIR" \
     --spec-venv "$SPEC_VENV" --out bench/results/peer_speculators \
-    --settings "N=$N EPOCHS=$EPOCHS VOCAB=$VOCAB TTT=$TTT LR=$LR BATCH=$BATCH PACK=$PACK RATIO=$RATIO MAXLEN=$MAXLEN NUM_PROMPTS=$NUM_PROMPTS MAX_NEW=$MAX_NEW"
+    --settings "N=$N EPOCHS=$EPOCHS VOCAB=$VOCAB TTT=$TTT LR=$LR BATCH=$BATCH PACK=$PACK RATIO=$RATIO MAXLEN=$MAXLEN NUM_MTBENCH=$NUM_MTBENCH NUM_HELDOUT=$NUM_HELDOUT MAX_NEW=$MAX_NEW"
 fi

@@ -164,16 +164,16 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
 
     f = lambda x, p=2: "-" if x is None else f"{x:,.{p}f}"  # noqa: E731
-    lines = [f"Data: conversations {', '.join(str(i) for i in (split['train_source_indices'][:1]))}.. of the first "
-             f"{settings.get('N')} of smollm2_answers.jsonl: {split['train_rows']} training rows "
+    lines = [f"Data: {split['train_rows']} of the first {settings.get('N')} conversations of smollm2_answers.jsonl "
+             f"(the other {split['val_rows']} are speculators' validation rows): {split['train_rows']} training rows "
              f"({split['train_tokens']:,} tokens, {split['train_assistant_tokens']:,} assistant tokens) x {epochs} "
              f"epochs; draft vocabularies identical: {vocab_check['identical']} ({vocab_check['speculators']} tokens).",
              f"Load average during training (1 min, every 30 s; 2 cores): mean {f(train_load and train_load['mean'])}, "
              f"min {f(train_load and train_load['min'])}, max {f(train_load and train_load['max'])}.", "",
              "| trainer | data | epochs | steps | tokens | train s | train tokens/s | tokens / CPU s | wall s | "
-             "peak RSS GB | padding | train top-1 (last epoch, steps 0/1/2) |", "|---" * 12 + "|"]
+             "peak RSS GB | padding | train top-1, TTT step 0 (last epoch) |", "|---" * 12 + "|"]
     for r in (sp_row, dl_row):
-        acc = " / ".join(f"{v:.3f}" for v in r["train_acc_last_epoch"].values())
+        acc = f"{list(r['train_acc_last_epoch'].values())[0]:.3f}"   # step 0: the same quantity on both sides
         lines.append(f"| {r['trainer']} | {split['train_rows']} conversations | {epochs} | {r['steps']} | "
                      f"{r['train_tokens']:,} | {f(r['train_seconds'], 0)} | {f(r['train_tokens_per_second'], 1)} | "
                      f"{f(r['train_tokens_per_cpu_second'], 1)} | {f(r['wall_seconds'], 0)} | {f(r['peak_rss_gb'])} | "
@@ -186,8 +186,91 @@ def main() -> None:
                      f"{' / '.join(f'{p:.3f}' for p in e['per_position_acceptance'])} | {e['lossless']} | "
                      f"{e['speedup']:.2f}x | {f(e['tokens_per_second'], 1)} / {f(e['baseline_tokens_per_second'], 1)} | "
                      + (f"{la['mean']:.2f} ({la['min']:.2f}-{la['max']:.2f})" if la else "-") + " |")
-    out.with_name(out.name + ".tables.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    sp_tps, dl_tps = sp_row["train_tokens_per_second"], dl_row["train_tokens_per_second"]
+    sp_cpu, dl_cpu = sp_row["train_tokens_per_cpu_second"], dl_row["train_tokens_per_cpu_second"]
+    lines += ["", "Train top-1 = the head's argmax equals the target's on assistant positions, TTT step 0, mean of the "
+              "last epoch's logged steps (draftlab acc_0, speculators train/full_acc_0). Later steps are not compared: "
+              "speculators' full_acc_j counts a position only when steps 0..j are all right, draftlab's acc_j scores "
+              "step j alone (both in the JSON)."]
+    reading = [f"- Training speed, draftlab / speculators: {dl_tps / sp_tps:.2f}x in tokens per second of training "
+               "steps" + (f", {dl_cpu / sp_cpu:.2f}x in tokens per CPU second of the whole process" if sp_cpu and dl_cpu
+                          else "") + f"; peak RSS {f(dl_row['peak_rss_gb'])} GB against {f(sp_row['peak_rss_gb'])} GB."]
+    for set_name in sorted({e["prompt_set"] for e in evals}):
+        for shape in ("chain", "dynamic"):
+            pair = {e["trainer"]: e for e in evals if e["prompt_set"] == set_name and e["tree"] == shape}
+            if len(pair) == 2:
+                a, b = pair["draftlab"], pair["speculators 0.9.0"]
+                reading.append(f"- {set_name}, {shape}: tau draftlab {a['tau']:.3f}, speculators {b['tau']:.3f} "
+                               f"(difference {a['tau'] - b['tau']:+.3f}); speedups {a['speedup']:.2f}x and "
+                               f"{b['speedup']:.2f}x, both evaluations at the same time under the load shown.")
+    head = [
+        "# EAGLE-3 side by side: speculators 0.9.0 and draftlab on the same data, scored by `draftlab eval`", "",
+        f"Command: `{result['command']}` (settings {args.settings}); draftlab at {result['git_revision']}.",
+        "Target: SmolLM2-135M-Instruct (Q4_1 GGUF dequantised to fp32), CPU, one thread per job. Both trainings ran "
+        "at the same time, and the two evaluations of each prompt set and tree ran at the same time, on a 2-core "
+        "machine that other jobs were also using: every time, speed and speedup figure below is a shared-machine "
+        "figure (load average beside it) and only the side-by-side ratios mean much. tau and acceptance do not "
+        "depend on the load.", ""]
+    same = [
+        "## What is the same", "",
+        "- Data: the same conversations and the same tokens. draftlab's tokeniser (the target's chat template, loss on "
+        "assistant tokens) wrote input_ids + loss_mask, which `speculators prepare-data` passes through unchanged; "
+        "speculators trains on its prepared rows [0, int(rows x RATIO)) and validates on the rest, and draftlab "
+        "trains on exactly those rows (bench/peer_speculators/prep_data.py split).",
+        "- Target features stored before training on both sides (fp32): layers 2, 15, 27 as the fused input, and "
+        "the last layer for the training target (speculators: pre-norm layer 30 + its own copy of the final norm; "
+        "draftlab: post-norm state). Neither trainer runs the target while training.",
+        "- Head: one Llama decoder layer reading [norm(embedding); norm(fused state)], fc from 3 x 576 to 576, "
+        "draft vocabulary of the 4,096 most frequent assistant tokens of the training rows, ties by id (both "
+        "libraries use that rule; speculators reads the same counts through --token-freq-path; the report checks "
+        "that the two vocabularies are identical).",
+        "- Loss: forward KL / soft cross-entropy to the target's distribution restricted to the draft vocabulary "
+        "(the same gradient), TTT 3 steps weighted equally (speculators --ttt-step-loss-decay 1.0, draftlab "
+        "drafter.ttt_decay=1.0), each step a mean over its valid positions.",
+        "- Optimiser: AdamW lr 1e-3 constant (speculators --scheduler-type none; draftlab train.schedule=constant, "
+        "no warm-up), betas (0.9, 0.999), weight decay 0.01 on every parameter, gradient clipping at norm 1.0, fp32, "
+        "3 epochs, seed 0, OMP_NUM_THREADS=1.", ""]
+    differ = [
+        "## Differences that remain", "",
+        "- Batches: speculators packs whole conversations into sequences of at most PACK tokens (no padding, "
+        "document-masked attention), so its step count follows from the packing; draftlab takes BATCH "
+        "conversations per step padded to the longest (padding share in the table), 3 x (rows // BATCH) steps.",
+        "- Architecture variants: speculators' defaults norm_before_fc (an RMSNorm over the concatenated 1,728-wide "
+        "input of fc), norm_before_residual (the layer's residual is the normed fused state) and norm_output (each "
+        "step's output is normed before the LM head and before it is fed back) are on; draftlab's head has none of "
+        "them (EAGLE-3 paper layout) and cannot switch them on for training (draftlab eval reads them from a "
+        "speculators checkpoint).",
+        "- Draft LM head: speculators keeps it frozen (the target's LM-head rows of the draft vocabulary); draftlab "
+        "starts from the same rows and trains them (2.36 M more trainable parameters).",
+        "- Loss positions: at TTT step j speculators weights the prediction of token t+2+j by the loss mask of "
+        "token t+1+j, draftlab by that of token t+2+j (the predicted token): one position per conversation end "
+        "differs (speculators also learns the newline after <|im_end|>, draftlab also the first assistant token).",
+        "- Initialisation and random streams: each library's own (seed 0 on both sides, not the same numbers).",
+        "- Checkpoints: speculators saves bf16 weights (trained in fp32) and validates on its 8 held-out rows every "
+        "epoch (in its wall time, not in its step time); draftlab saves fp32 and evaluates nothing during training "
+        "(eval.every=0).",
+        "- Throughput accounting: draftlab's train seconds are its logged step times (train_seconds in "
+        "metrics.jsonl); speculators' are the sum of its profiler's profile/step_ms, rounded to 3 significant "
+        "digits in its console log. Training tokens are the conversations' tokens x epochs on both sides "
+        "(speculators' own profiler counts one token fewer per conversation: train_tokens_per_second_their_profiler "
+        "in the JSON).",
+        "- speculators runs on the CPU only with bench/peer_speculators/cpu_train.py (two monkeypatches: .to(0) "
+        "and torch.accelerator.synchronize) and with hidden states written by bench/peer_speculators/"
+        "gen_hidden_states.py (transformers forward hooks, checked with speculators' own check_hidden_states) in "
+        "place of its vLLM-only generate-offline-data; --draft-attn-impl sdpa (FlexAttention has no CPU backward), "
+        "--loss-implementation eager (the fused loss needs triton), --optimizer adamw (its default Muon is far too "
+        "slow on this CPU).", ""]
+    feats = result["features"]
+    prep = ["## Feature preparation (run at the same time, before training)", "",
+            f"- speculators hidden states (400 prepared rows incl. its validation rows, layers 2/15/27/30, fp32): "
+            f"{f(feats['speculators_hidden_states'].get('wall_seconds'), 0)} s wall, peak RSS "
+            f"{f(feats['speculators_hidden_states'].get('peak_rss_gb'))} GB.",
+            f"- draftlab feature store (the {split['train_rows']} training rows, indices 2/15/27/-1, fp32): "
+            f"{f(feats['draftlab_store'].get('wall_seconds'), 0)} s wall, peak RSS "
+            f"{f(feats['draftlab_store'].get('peak_rss_gb'))} GB.", ""]
+    md = head + ["## Results", ""] + lines + ["", "Reading:", ""] + reading + [""] + same + differ + prep
+    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
 
 
 if __name__ == "__main__":

@@ -288,17 +288,20 @@ class EagleHead3(nn.Module):
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, float] = {}
         for j, hidden in enumerate(self.ttt_outputs(features[:, :-1, :-d], ids, valid)):
-            target = torch.zeros_like(target_logits[:, :n])
-            target[:, : n - j] = target_logits[:, 1 + j:]                 # target's distribution at t+1+j
             weight = torch.zeros_like(valid)
             if n - 1 - j > 0:                                             # drafted token x_{t+2+j} inside the row
                 weight[:, : n - 1 - j] = wanted[:, 2 + j:] & attn[:, 1 + j: T - 1]
             weight &= valid
-            logits = self.draft_logits(hidden)
-            step_loss = soft_cross_entropy(logits, target, weight)
+            # The draft LM head and the softmax run only on the slots the loss counts ([1, N, Vd], N = weighted
+            # slots): on assistant-only losses that is well under the [B, n, Vd] of every slot.
+            rows, cols = weight.nonzero(as_tuple=True)
+            logits = self.draft_logits(hidden[rows, cols])[None]
+            target = target_logits[rows, cols + 1 + j][None]                 # the target's distribution at t+1+j
+            counted = torch.ones(logits.shape[:2], device=logits.device)
+            step_loss = soft_cross_entropy(logits, target, counted)
             total = total + self.ttt_decay ** j * step_loss
-            agree = (logits.argmax(-1) == target.argmax(-1)) & weight
-            metrics[f"acc_{j}"] = (agree.sum() / weight.sum().clamp(min=1)).item()
+            agree = logits.argmax(-1) == target.argmax(-1)
+            metrics[f"acc_{j}"] = agree.float().mean().item() if agree.numel() else 0.0
             metrics[f"loss_{j}"] = step_loss.item()
         return total, metrics
 
