@@ -63,15 +63,19 @@ def _tree(r: dict) -> str:
 
 def results_table(rows: list[dict]) -> list[str]:
     lines = ["| drafter | draft | prompts | tau | per-position acceptance | tok/s | target-only tok/s | speedup | "
-             "lossless | train s | train tok/s | peak RSS MB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "speedup min-max (repeats) | lossless | train s | train tok/s | peak RSS MB | load avg | measured |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
+        spread = (f"{_fmt(r.get('speedup_min'))}-{_fmt(r.get('speedup_max'))} ({r.get('timing_repeats')})"
+                  if r.get("timing_repeats") else "baseline timed once, earlier")
+        load = (r.get("load_average") or [None])[0]
         lines.append(f"| {r['drafter']} | {_tree(r)} | {r['prompt_set']} ({r['num_prompts']}) | "
                      f"{_fmt(r['acceptance_length'])} | {acc} | {_fmt(r['tokens_per_second'], 1)} | "
-                     f"{_fmt(r['baseline_tokens_per_second'], 1)} | {_fmt(r['speedup'])}x | {_fmt(r['lossless'])} | "
-                     f"{_fmt(r['train_seconds'], 0)} | {_fmt(r['train_tokens_per_second'], 0)} | "
-                     f"{_fmt(r['peak_rss_mb'], 0)} |")
+                     f"{_fmt(r['baseline_tokens_per_second'], 1)} | {_fmt(r['speedup'])}x | {spread} | "
+                     f"{_fmt(r['lossless'])} | {_fmt(r['train_seconds'], 0)} | {_fmt(r['train_tokens_per_second'], 0)} | "
+                     f"{_fmt(r['peak_rss_mb'], 0)} | {_fmt(load, 2)} | "
+                     f"{'cached from an earlier run' if r.get('from_cache') else 'this run'} |")
     return lines
 
 
@@ -94,7 +98,8 @@ def write_markdown(result: dict, path: str | Path) -> str:
              + (f", extra overrides {b['extra_overrides']}" if b.get("extra_overrides") else ""),
              f"- evaluation: greedy, {e['max_new_tokens']} new tokens, prompts "
              + ", ".join(f"{k} {v}" for k, v in e["num_prompts"].items())
-             + "; target-only baseline measured once per prompt set in this run",
+             + "; target-only and speculative decoding timed interleaved prompt by prompt (speedup: the median of "
+               "the repeats, with its min and max); rows marked 'cached' were measured by an earlier run",
              f"- in-loop evaluation ({inloop.get('kind')} run: {inloop.get('evaluations')} evaluations of "
              f"{inloop.get('prompts')} prompts x {inloop.get('max_new_tokens')} tokens): "
              f"{_fmt(inloop.get('eval_seconds'), 1)} s of {_fmt(inloop.get('train_wall_seconds'), 1)} s training = "
