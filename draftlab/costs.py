@@ -123,7 +123,7 @@ def choose_draft_length(per_position: list[float], verify: dict[int, float], dra
 def pilot(target, proposer, prompts: list[Tensor], spec: TreeSpec, sampling: Sampling, max_new_tokens: int,
           eos_token_ids=None, seed: int = 0) -> dict:
     """Real speculative decoding of a few calibration prompts with `spec`: tau, per-position acceptance, and the
-    mean seconds per round, drafting and verifying included."""
+    mean seconds per round, drafting and verifying included (the prompts' prefills excluded)."""
     from draftlab.evaluator import _generator, speculative_generate
 
     results = [speculative_generate(target, proposer, p, spec, sampling, max_new_tokens, eos_token_ids,
@@ -133,7 +133,8 @@ def pilot(target, proposer, prompts: list[Tensor], spec: TreeSpec, sampling: Sam
     depth = spec.max_depth
     return {"acceptance_length": sum(r.new_tokens for r in results) / max(rounds, 1),
             "per_position_acceptance": [sum(a > i for a in accepted) / max(rounds, 1) for i in range(depth)],
-            "seconds_per_round": sum(r.seconds for r in results) / max(rounds, 1), "rounds": rounds}
+            "seconds_per_round": sum(r.seconds - r.prefill_seconds for r in results) / max(rounds, 1),
+            "rounds": rounds}
 
 
 def auto_draft_length(target, proposer, calibration: list[Tensor], sampling: Sampling, *, max_length: int = 8,

@@ -30,6 +30,7 @@ class GenerationResult:
 
     tokens: list[int]
     seconds: float
+    prefill_seconds: float = 0.0                           # of `seconds`: the prompt's forward (and the first commit)
     accepted: list[int] = field(default_factory=list)      # per round: accepted draft nodes
     draft_nodes: list[int] = field(default_factory=list)   # per round: nodes in the proposed tree
     draft_depth: list[int] = field(default_factory=list)   # per round: depth of the proposed tree
@@ -127,7 +128,8 @@ def speculative_generate(target, proposer, prompt_ids: Tensor, spec: TreeSpec, s
     out = target(input_ids=prompt[None], past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
     root = sampling.sample(out.logits[0, -1], generator).reshape(1)
     proposer.commit(root, _features(out, layers))
-    result = GenerationResult(tokens=[], seconds=0.0)
+    _sync(device)
+    result = GenerationResult(tokens=[], seconds=0.0, prefill_seconds=time.perf_counter() - start)
     done = max_new_tokens <= 0 or _append(result.tokens, root.tolist(), eos, max_new_tokens)
 
     while not done:
