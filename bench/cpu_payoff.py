@@ -64,7 +64,10 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=2, help="torch threads for training and evaluation")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=None, help="first N prompts per set (default: all)")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved timing repeats of the headline rows")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved timing repeats on MT-bench (the headline)")
+    ap.add_argument("--repeats-other", type=int, default=1, help="interleaved timing repeats on the other sets")
+    ap.add_argument("--lookup-first", type=int, default=3,
+                    help="also score the drafter with prompt lookup in front (n-gram >= N; 0 = off)")
     ap.add_argument("--sets", default="mtbench,humaneval")
     return ap.parse_args(argv)
 
@@ -198,25 +201,17 @@ def stage_train(args, train: Path) -> dict:
 # evaluation
 
 
-def evaluations(args) -> list[dict]:
-    """(drafter, tree, prompt set, repeats) to run: the drafter's k=5 chain and auto shape, and prompt lookup."""
-    todo = []
-    for name in args.sets.split(","):
-        todo += [{"drafter": args.label, "tree": "chain", "prompt_set": name, "repeats": 1},
-                 {"drafter": "prompt_lookup", "tree": "chain", "prompt_set": name, "repeats": 1}]
-        todo.append({"drafter": args.label, "tree": "auto", "prompt_set": name,
-                     "repeats": args.repeats if name == "mtbench" else 1})
-    return todo
-
-
 def stage_eval(args) -> list[dict]:
+    """Per prompt set, one interleaved side-by-side run: target-only decoding, the drafter as a chain of k=5, the
+    drafter with prompt lookup first (--lookup-first) as a chain of 5 and with its cost-aware length, and prompt
+    lookup alone as a chain of 5, all against the same target-only runs (evaluator.evaluate_side_by_side)."""
     import torch
 
     from draftlab import costs
     from draftlab.checkpoint import load_drafter, resolve_checkpoint
     from draftlab.data import encode_prompt, load_prompts
-    from draftlab.evaluator import evaluate
-    from draftlab.proposers import PromptLookupProposer
+    from draftlab.evaluator import evaluate_side_by_side
+    from draftlab.proposers import LookupFirstProposer, PromptLookupProposer
     from draftlab.target import load_target
     from draftlab.train import eos_ids
     from draftlab.trees import TreeSpec
@@ -228,39 +223,49 @@ def stage_eval(args) -> list[dict]:
     step = resolve_checkpoint(str(run_folder(args)))
     drafter = load_drafter(step, target).eval()
     calibration = [encode_prompt(tokenizer, p.messages) for p in load_prompts(CALIBRATION, limit=4)]
+
+    def hybrid():
+        return LookupFirstProposer(drafter.proposer(target), min_ngram=args.lookup_first,
+                                   max_ngram=max(4, args.lookup_first))
+    shape = costs.auto_draft_length(target, hybrid() if args.lookup_first else drafter.proposer(target),
+                                    calibration, Sampling(), max_length=8, max_new_tokens=64, eos_token_ids=eos)
+    auto_k = shape["chosen_draft_length"]
+    print(f"auto draft length: k={auto_k} (calibrated on {CALIBRATION})", flush=True)
+    name = args.label + (f" + lookup-first (n>={args.lookup_first})" if args.lookup_first else "")
     rows = []
-    for job in evaluations(args):
-        key = f"{job['drafter']}_{job['tree']}_{job['prompt_set']}_{args.num_prompts}_{args.max_new_tokens}_" \
-              f"r{job['repeats']}_t{args.threads}"
+    for prompt_set in args.sets.split(","):
+        repeats = args.repeats if prompt_set == "mtbench" else args.repeats_other
+        key = f"{args.label}_lf{args.lookup_first}_{prompt_set}_{args.num_prompts}_{args.max_new_tokens}_" \
+              f"r{repeats}_t{args.threads}"
         path = CACHE / "evals" / f"{key}.json"
         if path.is_file():
-            rows.append({**json.loads(path.read_text()), "from_cache": True})
+            rows += [{**r, "from_cache": True} for r in json.loads(path.read_text())]
             print(f"{key}: cached", flush=True)
             continue
-        prompts = load_prompts(SETS[job["prompt_set"]], limit=args.num_prompts)
+        prompts = load_prompts(SETS[prompt_set], limit=args.num_prompts)
         ids = [encode_prompt(tokenizer, p.messages) for p in prompts]
-        proposer = PromptLookupProposer() if job["drafter"] == "prompt_lookup" else drafter.proposer(target)
-        shape = None
-        if job["tree"] == "auto":
-            shape = costs.auto_draft_length(target, proposer, calibration, Sampling(), max_length=8,
-                                            max_new_tokens=64, eos_token_ids=eos)
-            spec = TreeSpec(kind="chain", draft_length=shape["chosen_draft_length"])
-        else:
-            spec = TreeSpec(kind="chain", draft_length=5)
+        drafts = {(args.label, "chain k=5"): (drafter.proposer(target), TreeSpec(kind="chain", draft_length=5)),
+                  ("prompt_lookup", "chain k=5"): (PromptLookupProposer(), TreeSpec(kind="chain", draft_length=5))}
+        if args.lookup_first:
+            drafts[(name, "chain k=5")] = (hybrid(), TreeSpec(kind="chain", draft_length=5))
+        drafts[(name, f"auto (chain k={auto_k})")] = (hybrid() if args.lookup_first else drafter.proposer(target),
+                                                       TreeSpec(kind="chain", draft_length=auto_k))
         t0 = time.time()
-        report = evaluate(target, proposer, ids, spec=spec, sampling=Sampling(), max_new_tokens=args.max_new_tokens,
-                          eos_token_ids=eos, categories=[p.category for p in prompts], repeats=job["repeats"])
-        report.update(job)
-        report.update({"checkpoint": str(step) if job["drafter"] != "prompt_lookup" else None,
-                       "tree": job["tree"] if job["tree"] != "auto" else f"auto (chain k={spec.draft_length})",
-                       "draft_shape": shape, "eval_seconds": time.time() - t0, "threads": args.threads,
-                       "busy": bool(report["load_average"][0] and report["load_average"][0] > LOAD_BUSY)})
+        reports = evaluate_side_by_side(target, drafts, ids, sampling=Sampling(), max_new_tokens=args.max_new_tokens,
+                                        eos_token_ids=eos, categories=[p.category for p in prompts], repeats=repeats)
+        fresh = []
+        for (drafter_name, tree), report in reports.items():
+            busy = bool(report["load_average"][0] and report["load_average"][0] > LOAD_BUSY)
+            fresh.append({**report, "drafter": drafter_name, "tree": tree, "prompt_set": prompt_set,
+                          "checkpoint": None if drafter_name == "prompt_lookup" else str(step),
+                          "draft_shape": shape if tree.startswith("auto") else None, "busy": busy,
+                          "eval_seconds": time.time() - t0, "threads": args.threads})
+            print(f"{prompt_set} {drafter_name} {tree}: tau {report['acceptance_length']:.3f}, speedup "
+                  f"{report['speedup']:.2f}x [{report['speedup_min']:.2f}, {report['speedup_max']:.2f}], lossless "
+                  f"{report['lossless']}, load {report['load_average']}", flush=True)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report))
-        rows.append({**report, "from_cache": False})
-        print(f"{key}: tau {report['acceptance_length']:.3f}, speedup {report['speedup']:.2f}x "
-              f"[{report.get('speedup_min') or 0:.2f}, {report.get('speedup_max') or 0:.2f}], lossless "
-              f"{report['lossless']}, load {report['load_average']}", flush=True)
+        path.write_text(json.dumps(fresh))
+        rows += [{**r, "from_cache": False} for r in fresh]
     return rows
 
 
@@ -278,11 +283,15 @@ def goals(rows: list[dict], train: dict) -> list[dict]:
     def find(drafter, tree_prefix, prompt_set):
         return next((r for r in rows if r["drafter"] == drafter and r["prompt_set"] == prompt_set
                      and r["tree"].startswith(tree_prefix)), None)
-    label = next((r["drafter"] for r in rows if r["drafter"] != "prompt_lookup"), None)
-    chain, auto = find(label, "chain", "mtbench"), find(label, "auto", "mtbench")
+    best = max((r for r in rows if r["drafter"] != "prompt_lookup" and r["prompt_set"] == "mtbench"
+                and r["tree"].startswith("chain")), key=lambda r: r["acceptance_length"], default=None)
+    label = best and best["drafter"]
+    chain = find(label, "chain", "mtbench")
+    auto = next((r for r in rows if r["prompt_set"] == "mtbench" and r["tree"].startswith("auto")), None)
     out = [_goal("training time within an hour (s)", -train.get("train_seconds", 0.0), -TRAIN_BUDGET_S),
-           _goal("chain tau (k=5), MT-bench first turns", chain and chain["acceptance_length"], GOAL_TAU),
-           _goal("wall-clock speedup over target-only, MT-bench (median of interleaved repeats)",
+           _goal(f"chain tau (k=5), MT-bench first turns ({label})", chain and chain["acceptance_length"], GOAL_TAU),
+           _goal(f"wall-clock speedup over target-only, MT-bench ({auto and auto['drafter']}, {auto and auto['tree']}; "
+                 "median of interleaved repeats)",
                  auto and auto["speedup"], GOAL_SPEEDUP, "x")]
     for prompt_set in sorted({r["prompt_set"] for r in rows}):
         mine, lookup = find(label, "chain", prompt_set), find("prompt_lookup", "chain", prompt_set)

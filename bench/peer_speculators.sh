@@ -146,7 +146,8 @@ if has eval; then
 fi
 
 if has report; then
-  $PY "$HERE/report.py" --data-dir "$DATA_DIR" --spec-out "$SPEC_OUT" --dl-out "$DL_OUT" --eval-dir "$EVAL_DIR" \
+  $PY "$HERE/report.py" --command "DATA_DIR=$DATA_DIR SPEC_OUT=$SPEC_OUT DL_OUT=$DL_OUT bash bench/peer_speculators.sh $SPEC_VENV" \
+    --data-dir "$DATA_DIR" --spec-out "$SPEC_OUT" --dl-out "$DL_OUT" --eval-dir "$EVAL_DIR" \
     --spec-venv "$SPEC_VENV" --out bench/results/peer_speculators \
     --settings "N=$N EPOCHS=$EPOCHS VOCAB=$VOCAB TTT=$TTT LR=$LR BATCH=$BATCH PACK=$PACK RATIO=$RATIO MAXLEN=$MAXLEN NUM_MTBENCH=$NUM_MTBENCH NUM_HELDOUT=$NUM_HELDOUT MAX_NEW=$MAX_NEW"
 fi

@@ -254,49 +254,87 @@ def interleaved_runs(target, proposer, prompts: list[Tensor], *, spec: TreeSpec,
     timing = {tokens_per_second, baseline_tokens_per_second, speedup: the medians over repeats, speedup_min,
     speedup_max, speedups (per repeat), timing_repeats, timing: "interleaved", load_average: [before, after]}.
     """
+    runs, base, timings = interleaved_side_by_side(
+        target, {"": (proposer, spec)}, prompts, sampling=sampling, max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_token_ids, seed=seed, repeats=repeats, progress=progress, warmup=warmup)
+    return runs[""], base, timings[""]
+
+
+def interleaved_side_by_side(target, drafts: dict, prompts: list[Tensor], *, sampling: Sampling, max_new_tokens: int,
+                             eos_token_ids=None, seed: int = 0, repeats: int = 1, progress: bool = True,
+                             warmup: bool = True) -> tuple[dict, list, dict]:
+    """`interleaved_runs` for several drafters at once, sharing the target-only runs: drafts = {label: (proposer,
+    TreeSpec)}; for each prompt and repeat, target-only decoding and every drafter run one after another (the order
+    rotates each repeat), so every speedup is against the same target-only runs under the same load.
+    Returns ({label: first-repeat results}, first-repeat target-only results, {label: timing})."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: time at least one repeat (or pass a baseline and repeats=0)")
     device = target.device
     load_before = load_average()
+    labels = list(drafts)
     if warmup and prompts:
         target_generate(target, prompts[0], min(4, max_new_tokens), eos_token_ids, sampling, _generator(device, seed, 0))
-        speculative_generate(target, proposer, prompts[0], spec, sampling, min(4, max_new_tokens), eos_token_ids,
-                             _generator(device, seed, 0))
-    spec_runs = [[None] * len(prompts) for _ in range(repeats)]
-    base_runs = [[None] * len(prompts) for _ in range(repeats)]
+        for proposer, spec in drafts.values():
+            speculative_generate(target, proposer, prompts[0], spec, sampling, min(4, max_new_tokens), eos_token_ids,
+                                 _generator(device, seed, 0))
+    runs = {key: [[None] * len(prompts) for _ in range(repeats)] for key in [None] + labels}   # None: target-only
     bar = tqdm(total=len(prompts) * repeats, desc="target-only | speculating", disable=not progress, leave=False)
     for i, p in enumerate(prompts):
         for r in range(repeats):
-            def base():
-                base_runs[r][i] = target_generate(target, p, max_new_tokens, eos_token_ids, sampling,
-                                                  _generator(device, seed, i))
-
-            def spec_run():
-                spec_runs[r][i] = speculative_generate(target, proposer, p, spec, sampling, max_new_tokens,
-                                                       eos_token_ids, _generator(device, seed, i))
-            for run in ((base, spec_run) if r % 2 == 0 else (spec_run, base)):
-                run()
+            order = [None] + labels
+            shift = r % len(order)
+            for key in order[shift:] + order[:shift]:
+                if key is None:
+                    out = target_generate(target, p, max_new_tokens, eos_token_ids, sampling,
+                                          _generator(device, seed, i))
+                else:
+                    proposer, spec = drafts[key]
+                    out = speculative_generate(target, proposer, p, spec, sampling, max_new_tokens, eos_token_ids,
+                                               _generator(device, seed, i))
+                runs[key][r][i] = out
             bar.update(1)
     bar.close()
 
-    def tps(runs):
-        seconds = sum(x.seconds for x in runs)
-        return sum(len(x.tokens) for x in runs) / seconds if seconds > 0 else None
+    def tps(results):
+        seconds = sum(x.seconds for x in results)
+        return sum(len(x.tokens) for x in results) / seconds if seconds > 0 else None
 
-    spec_tps, base_tps = [tps(runs) for runs in spec_runs], [tps(runs) for runs in base_runs]
-    speedups = [s / b for s, b in zip(spec_tps, base_tps) if s and b]
-    timing = {
-        "tokens_per_second": _median([t for t in spec_tps if t]) if any(spec_tps) else None,
-        "baseline_tokens_per_second": _median([t for t in base_tps if t]) if any(base_tps) else None,
-        "speedup": _median(speedups) if speedups else None,
-        "speedup_min": min(speedups) if speedups else None,
-        "speedup_max": max(speedups) if speedups else None,
-        "speedups": speedups,
-        "timing_repeats": repeats,
-        "timing": "interleaved",
-        "load_average": [load_before, load_average()],
-    }
-    return spec_runs[0], base_runs[0], timing
+    base_tps = [tps(results) for results in runs[None]]
+    load_after = load_average()
+    timings = {}
+    for key in labels:
+        spec_tps = [tps(results) for results in runs[key]]
+        speedups = [s / b for s, b in zip(spec_tps, base_tps) if s and b]
+        timings[key] = {
+            "tokens_per_second": _median([t for t in spec_tps if t]) if any(spec_tps) else None,
+            "baseline_tokens_per_second": _median([t for t in base_tps if t]) if any(base_tps) else None,
+            "speedup": _median(speedups) if speedups else None,
+            "speedup_min": min(speedups) if speedups else None,
+            "speedup_max": max(speedups) if speedups else None,
+            "speedups": speedups,
+            "timing_repeats": repeats,
+            "timing": "interleaved" if len(labels) == 1 else f"interleaved with {len(labels) - 1} other drafter(s)",
+            "load_average": [load_before, load_after],
+        }
+    return {key: runs[key][0] for key in labels}, runs[None][0], timings
+
+
+def evaluate_side_by_side(target, drafts: dict, prompts: list[Tensor], *, sampling: Sampling, max_new_tokens: int,
+                          eos_token_ids=None, categories: list[str] | None = None, seed: int = 0,
+                          repeats: int = 1, progress: bool = True, warmup: bool = True) -> dict[str, dict]:
+    """Reports ({label: report}) for several drafters ({label: (proposer, TreeSpec)}) timed against the same
+    interleaved target-only runs (`interleaved_side_by_side`); lossless against those runs' outputs."""
+    wall = time.perf_counter()
+    results, base, timings = interleaved_side_by_side(
+        target, drafts, prompts, sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+        seed=seed, repeats=repeats, progress=progress, warmup=warmup)
+    baseline = {"outputs": [r.tokens for r in base]}
+    reports = {}
+    for key, (proposer, spec) in drafts.items():
+        reports[key] = build_report(results[key], {**baseline, "tokens_per_second": timings[key][
+            "baseline_tokens_per_second"]}, spec=spec, sampling=sampling, categories=categories,
+            wall_seconds=time.perf_counter() - wall, timing=timings[key])
+    return reports
 
 
 def evaluate(target, proposer, prompts: list[Tensor], *, spec: TreeSpec, sampling: Sampling, max_new_tokens: int,

@@ -86,3 +86,21 @@ def test_lookup_first_drafts_repeats_by_lookup_and_stays_lossless(tiny_target):
     proposer = LookupFirstProposer(head.proposer(model), min_ngram=2)
     out = evaluator.speculative_generate(model, proposer, prompt, TreeSpec(draft_length=4), Sampling(), 24)
     assert out.tokens == expected and out.rounds > proposer.lookup_rounds > 0
+
+
+def test_side_by_side_shares_the_target_only_runs_and_rotates_the_order(tiny_target, monkeypatch):
+    model, tok = tiny_target
+    calls = []
+    real_target, real_spec = evaluator.target_generate, evaluator.speculative_generate
+    monkeypatch.setattr(evaluator, "target_generate", lambda *a, **k: calls.append("T") or real_target(*a, **k))
+    monkeypatch.setattr(evaluator, "speculative_generate",
+                        lambda m, proposer, *a, **k: calls.append(proposer.name) or real_spec(m, proposer, *a, **k))
+    a, b = PromptLookupProposer(), TargetCopyProposer(model)
+    a.name, b.name = "A", "B"
+    prompts = [torch.tensor(tok("The quick brown fox")["input_ids"])]
+    drafts = {"a": (a, TreeSpec(draft_length=3)), "b": (b, TreeSpec(draft_length=2))}
+    reports = evaluator.evaluate_side_by_side(model, drafts, prompts, sampling=Sampling(), max_new_tokens=8,
+                                              repeats=3, progress=False, warmup=False)
+    assert "".join(calls) == "TAB" + "ABT" + "BTA"
+    assert reports["b"]["acceptance_length"] == 3.0 and reports["a"]["lossless"] and reports["b"]["lossless"]
+    assert reports["a"]["baseline_tokens_per_second"] == reports["b"]["baseline_tokens_per_second"]
