@@ -101,7 +101,9 @@ def main() -> None:
     best = (dl / "best").read_text().strip() if (dl / "best").is_file() else sorted(dl.glob("step_*"))[-1].name
     dl_cfg = json.loads((dl / best / "drafter_config.json").read_text())
     last_epoch = rows[-max(1, len(rows) // epochs):]
+    run_info = json.loads((dl / "run_info.json").read_text()) if (dl / "run_info.json").is_file() else {}
     dl_row = {"trainer": "draftlab", "checkpoint": str(dl / best), "steps": rows[-1]["step"],
+              "git_revision": run_info.get("git_revision"), "git_dirty": run_info.get("git_dirty"),
               "train_tokens": tokens, "train_tokens_logged": dl_logged, "train_seconds": dl_seconds,
               "train_tokens_per_second": dl_logged / dl_seconds,
               "padding_share": 1 - dl_logged / sum(r["train_tokens"] / (1 - r["padding_share"]) for r in rows),
@@ -201,7 +203,7 @@ def main() -> None:
     reading = [f"- Training speed, draftlab / speculators: {dl_tps / sp_tps:.2f}x in tokens per second of training "
                "steps" + (f", {dl_cpu / sp_cpu:.2f}x in tokens per CPU second of the whole process" if sp_cpu and dl_cpu
                           else "") + f"; peak RSS {f(dl_row['peak_rss_gb'])} GB against {f(sp_row['peak_rss_gb'])} GB."]
-    for set_name in sorted({e["prompt_set"] for e in evals}):
+    for set_name in sorted({e["prompt_set"] for e in evals}, key=lambda x: order.get(x, 9)):
         for shape in ("chain", "dynamic"):
             pair = {e["trainer"]: e for e in evals if e["prompt_set"] == set_name and e["tree"] == shape}
             if len(pair) == 2:
@@ -220,7 +222,17 @@ def main() -> None:
         "at the same time, and the two evaluations of each prompt set and tree ran at the same time, on a 2-core "
         "machine that other jobs were also using: every time, speed and speedup figure below is a shared-machine "
         "figure (load average beside it) and only the side-by-side ratios mean much. tau and acceptance do not "
-        "depend on the load.", ""]
+        "depend on the load.",
+        f"draftlab trained at {dl_row['git_revision']} (git_dirty {dl_row['git_dirty']}, its run_info.json). Each "
+        "pair of evaluations (one prompt set, one tree) started at the same moment and so ran the same draftlab code; "
+        "other sessions committed to draftlab between pairs (an evaluator refactor that keeps the single-drafter "
+        "timing and counting unchanged), and an EAGLE-3 loss change that computes the draft LM head only on counted "
+        "slots landed after this training ran; it is meant to make draftlab's step faster than measured here (not "
+        "measured in this benchmark).",
+        "Evaluation: `draftlab eval`, greedy, 128 new tokens, --repeats 1 (target-only and speculative decoding "
+        "timed interleaved prompt by prompt), chain = --draft-length 5, dynamic = EAGLE-2 tree --depth 5 --top-k 8 "
+        "--total-tokens 48; mtbench = the first 20 MT-bench first turns, heldout = the 24 prompts of "
+        "data_prep/prompts/heldout_train_dist.jsonl (training distribution, none of them in the training data).", ""]
     same = [
         "## What is the same", "",
         "- Data: the same conversations and the same tokens. draftlab's tokeniser (the target's chat template, loss on "
@@ -278,6 +290,7 @@ def main() -> None:
             f"- draftlab feature store (the {split['train_rows']} training rows, indices 2/15/27/-1, fp32): "
             f"{f(feats['draftlab_store'].get('wall_seconds'), 0)} s wall, peak RSS "
             f"{f(feats['draftlab_store'].get('peak_rss_gb'))} GB.", ""]
+    head = [x for line in head if line for x in (line, "")]        # one paragraph per line
     md = head + ["## Results", ""] + lines + ["", "Reading:", ""] + reading + [""] + same + differ + prep
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
