@@ -157,9 +157,10 @@ def stage_data(args) -> Path:
     target, tokenizer = load_target(args.target, "auto", "cpu")
     conversations, _ = read_conversations(str(train))
     dataset = ChatDataset(conversations, tokenizer, args.max_length)
-    t0 = time.time()
+    t0, cpu0 = time.time(), time.process_time()
     ensure_store(str(store), target, tokenizer, dataset, feature_layers=(2, 15, 27, -1))
-    timing.write_text(json.dumps({"seconds": time.time() - t0, "rows": len(dataset), "threads": args.threads,
+    timing.write_text(json.dumps({"seconds": time.time() - t0, "cpu_seconds": time.process_time() - cpu0,
+                                  "rows": len(dataset), "tokens": sum(dataset.lengths), "threads": args.threads,
                                   "load_average": os.getloadavg()[0]}))
     return train
 
