@@ -112,7 +112,7 @@ def test_every_row_format_parses_to_the_same_messages(tmp_path):
 def test_malformed_rows_are_counted_with_their_lines_and_strict_mode_raises(tmp_path):
     good = {"messages": ONE_TURN}
     rows = [good, "{not json", [1, 2], {"messages": [{"role": "wizard", "content": "hi"}]},
-            {"conversations": [{"from": "human", "value": 3}]}, {"text": "no known fields"},
+            {"conversations": [{"from": "human", "value": 3}]}, {"body": "no known fields"},
             {"messages": [{"role": "user", "content": "a question with no answer"}]}, good, ""]
     path = write_lines(tmp_path / "bad.jsonl", rows)
     convs, stats = read_conversations(str(path))
