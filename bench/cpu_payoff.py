@@ -57,7 +57,8 @@ def parse_args(argv=None):
     ap.add_argument("--label", default="best", help="name of this configuration (run folder, cache keys)")
     ap.add_argument("--recipe", default="eagle_head")
     ap.add_argument("--set", action="append", default=[], help="config override KEY=VALUE for the training run")
-    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--steps", type=int, default=3000, help="max_steps (the schedule's length)")
+    ap.add_argument("--minutes", type=float, default=60.0, help="training budget (train.max_minutes)")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--max-length", type=int, default=512)
@@ -183,14 +184,16 @@ def stage_train(args, train: Path) -> dict:
         return json.loads(info.read_text())
     overrides = [f"recipe={args.recipe}", f"target.path={args.target}", f"data.train={train}",
                  f"data.store={train}.store", f"data.max_length={args.max_length}", f"train.max_steps={args.steps}",
-                 f"train.batch_size={args.batch_size}", "train.grad_accum=1", f"train.lr={args.lr}",
+                 f"train.max_minutes={args.minutes}", f"train.batch_size={args.batch_size}", "train.grad_accum=1", f"train.lr={args.lr}",
                  f"train.warmup_steps={max(1, args.steps // 20)}", "train.schedule=cosine", "train.keep_last=1",
                  f"train.save_every={max(1, args.steps // 10)}", "eval.every=0", "tracking=jsonl",
                  f"train.num_threads={args.threads}", f"out_dir={out}", "train.resume=auto"] + args.set
     t0 = time.time()
     main(load_config(overrides))
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    record = {"recipe": args.recipe, "overrides": overrides, "steps": args.steps, "wall_seconds": time.time() - t0,
+    steps_done = max(r["step"] for r in metrics)
+    record = {"recipe": args.recipe, "overrides": overrides, "steps": steps_done, "max_steps": args.steps,
+              "stopped_by_budget": steps_done < args.steps, "max_minutes": args.minutes, "wall_seconds": time.time() - t0,
               "train_seconds": sum(r.get("train_seconds", 0.0) for r in metrics),
               "train_tokens": sum(r.get("train_tokens", 0.0) for r in metrics), "threads": args.threads}
     record["train_tokens_per_second"] = record["train_tokens"] / max(record["train_seconds"], 1e-9)

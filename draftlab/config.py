@@ -157,6 +157,9 @@ class DrafterConfig:
 class TrainConfig:
     max_steps: int = 1000
     """Optimizer steps (each = batch_size x grad_accum x processes conversations)."""
+    max_minutes: float = 0.0
+    """Wall-clock training budget: stop (and save) at the first step past it, summed over resumed runs (0 = off).
+    The learning-rate schedule still follows max_steps: size max_steps to what fits in the budget."""
     lr: float = 1e-4
     """Peak learning rate (AdamW)."""
     weight_decay: float = 0.0
@@ -275,7 +278,7 @@ RANGES = {
                      "eval.depth", "eval.top_k", "eval.total_tokens", "drafter.num_layers", "drafter.ttt_steps",
                      "drafter.harmonized_steps", "drafter.medusa_heads", "drafter.medusa_tree_nodes", "drafter.rollout_tokens",
                      "drafter.teacher_topk", "drafter.min_draft"], "[1, inf)"),
-    **dict.fromkeys(["train.lr", "train.weight_decay", "train.warmup_steps", "train.grad_clip", "train.save_every",
+    **dict.fromkeys(["train.lr", "train.max_minutes", "train.weight_decay", "train.warmup_steps", "train.grad_clip", "train.save_every",
                      "train.keep_last", "train.num_threads", "data.limit", "data.regenerate_num", "eval.every",
                      "eval.repeats", "eval.temperature", "drafter.feature_noise", "drafter.reg_weight",
                      "drafter.topk_weight", "drafter.cls_weight", "drafter.medusa_layers", "drafter.medusa_weight", "drafter.lora_r", "drafter.lora_alpha",

@@ -205,6 +205,14 @@ def step_token_counts(batches: list[dict], accelerator) -> dict[str, float]:
     return {"loss": loss, "real": real, "slots": slots}
 
 
+def any_process(flag: bool, accelerator) -> bool:
+    """True on every process when `flag` is true on any of them (one all-reduce), so that all stop together."""
+    if accelerator.num_processes == 1:
+        return flag
+    value = torch.tensor([float(flag)], device=accelerator.device)
+    return bool(accelerator.reduce(value, reduction="sum").item() > 0)
+
+
 def loss_weight(batch: dict, global_loss_tokens: float, world: int) -> float:
     """Factor for one micro-batch's per-token-mean loss so that the optimizer step follows the mean over every
     valid token of the step, on all processes and micro-batches (not a mean of per-micro-batch means):

@@ -140,7 +140,8 @@ def train(cfg, out_dir: Path, accelerator) -> dict:
     progress = tqdm(total=cfg.train.max_steps, initial=state["step"], disable=not is_main, desc="train",
                     dynamic_ncols=True)
     speed = runtime.Throughput()
-    while state["step"] < cfg.train.max_steps:
+    budget, seconds_before, loop_start = cfg.train.max_minutes * 60, state.get("train_seconds", 0.0), time.perf_counter()
+    while state["step"] < cfg.train.max_steps and not (budget > 0 and seconds_before >= budget):
         t0, cpu0 = time.perf_counter(), time.process_time()
         model.train()
         micro_batches = [batches.next() for _ in range(cfg.train.grad_accum)]
@@ -175,9 +176,12 @@ def train(cfg, out_dir: Path, accelerator) -> dict:
         state["micro_step"] = batches.micro_step
         step = state["step"]
         speed.add(counts, time.perf_counter() - t0, time.process_time() - cpu0)
+        state["train_seconds"] = seconds_before + time.perf_counter() - loop_start
+        out_of_time = budget > 0 and runtime.any_process(state["train_seconds"] >= budget, accelerator)
+        final = step == cfg.train.max_steps or out_of_time
 
         progress.update(1)
-        if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+        if step % cfg.train.log_every == 0 or final:
             means = runtime.reduce_metrics(sums, local_tokens, accelerator)  # collective: every rank logs
             if is_main:
                 row = {"step": step, "lr": scheduler.get_last_lr()[0], **means, **speed.row(),
@@ -187,7 +191,6 @@ def train(cfg, out_dir: Path, accelerator) -> dict:
                                                                      if state["history"] else {}))
             speed.reset()
 
-        final = step == cfg.train.max_steps
         eval_due = cfg.eval.every > 0 and (step % cfg.eval.every == 0 or final)
         save_due = final or eval_due or (cfg.train.save_every > 0 and step % cfg.train.save_every == 0)
         if save_due:
@@ -195,6 +198,10 @@ def train(cfg, out_dir: Path, accelerator) -> dict:
                             evaluator if eval_due else None, accelerator)
             if is_main and ((cfg.hub.push == "every_eval" and eval_due) or (cfg.hub.push == "final" and final)):
                 push_to_hub(cfg, out_dir / f"step_{step}", target, tokenizer)
+        if out_of_time:
+            tqdm.write(f"train.max_minutes={cfg.train.max_minutes:g} reached after {state['train_seconds'] / 60:.1f} "
+                       f"min: stopped at step {step} of {cfg.train.max_steps} (saved step_{step})")
+            break
     progress.close()
     accelerator.end_training()
     if is_main and cfg.hub.push == "best":

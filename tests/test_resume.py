@@ -261,3 +261,18 @@ def test_rng_restore_picks_this_ranks_stream():
     assert runtime.restore_rng(first, rank=0, seed=0, step=0) is None  # an older checkpoint: one dict
     assert torch.equal(torch.get_rng_state(), first["torch"])
     assert "fresh" in runtime.restore_rng([first], rank=3, seed=0, step=5)
+
+
+def test_max_minutes_stops_saves_and_counts_across_resumes(tiny_target_dir, tiny_chat_file, tmp_path):
+    """train.max_minutes: the run stops at the first step past the budget and saves it as its final checkpoint;
+    a resumed run counts the time already spent, so it does not train further."""
+    out = tmp_path / "run"
+    summary = main(load_config(args(tiny_target_dir, tiny_chat_file, out, "train.max_minutes=1e-6")))
+    assert summary["steps"] == 1 and (out / "step_1" / ckpt.WEIGHTS_NAME).is_file()
+    state = ckpt.load_trainer_state(out / "step_1")
+    assert state["train_seconds"] > 0
+    resumed = main(load_config(args(tiny_target_dir, tiny_chat_file, out, "train.max_minutes=1e-6",
+                                    "train.resume=auto")))
+    assert resumed["steps"] == 1 and not (out / "step_2").exists()
+    more = main(load_config(args(tiny_target_dir, tiny_chat_file, out, "train.resume=auto")))  # budget lifted
+    assert more["steps"] == 6 and (out / "step_6").is_dir()
