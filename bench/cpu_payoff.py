@@ -320,6 +320,7 @@ def stage_report(args, rows: list[dict], train: dict, data: dict) -> None:
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     OUT.with_suffix(".md").write_text(markdown(result) + "\n")
+    plot(result)
     print(markdown(result))
 
 
@@ -327,11 +328,47 @@ def _f(x, digits=3):
     return "-" if x is None else f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
+def _data_line(data: dict) -> str:
+    parts = [f"{name}: {v.get('rows', '?')} rows, " + (f"{v['seconds']:.0f} s" if v.get("seconds") else "not timed here")
+             for name, v in data.items() if isinstance(v, dict)]
+    return f"Data preparation (timed apart from training): {'; '.join(parts)}; measured total " \
+           f"{data.get('total_measured_seconds', 0):.0f} s."
+
+
+def plot(result: dict) -> None:
+    """tau and median speedup per drafter and prompt set, beside prompt lookup's and the goals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    sets = sorted({r["prompt_set"] for r in rows})
+    names = list(dict.fromkeys(f"{r['drafter']}\n{r['tree']}" for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    width = 0.8 / max(1, len(sets))
+    for ax, key, goal in ((axes[0], "acceptance_length", GOAL_TAU), (axes[1], "speedup", GOAL_SPEEDUP)):
+        for i, prompt_set in enumerate(sets):
+            values = [next((r[key] for r in rows if r["prompt_set"] == prompt_set
+                            and f"{r['drafter']}\n{r['tree']}" == n), 0.0) for n in names]
+            ax.bar([j + i * width for j in range(len(names))], values, width, label=prompt_set)
+        ax.axhline(goal, color="red", linestyle="--", linewidth=1, label=f"goal {goal}")
+        if key == "speedup":
+            ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([j + width * (len(sets) - 1) / 2 for j in range(len(names))], names, fontsize=6, rotation=15)
+        ax.set_ylabel("tau (chain)" if key == "acceptance_length" else "speedup over target-only (median)")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(OUT.with_suffix(".png"), dpi=100)
+    plt.close(fig)
+
+
 def markdown(result: dict) -> str:
     rows, train = result["rows"], result["header"]["train"]
     lines = [f"Training: recipe `{train.get('recipe')}`, {train.get('steps')} steps, "
              f"{_f(train.get('train_seconds'), 0)} s, {_f(train.get('train_tokens_per_second'), 0)} training tokens/s, "
-             f"{result['header']['machine']['threads']} threads.", "",
+             f"{result['header']['machine']['threads']} threads.", _data_line(result['header']['data']), "",
              "| drafter | tree | prompts | tau | per-position acceptance | tokens/s | target-only tokens/s | "
              "speedup (median) | min-max | repeats | lossless | load avg | measured |", "|---" * 13 + "|"]
     for r in rows:
