@@ -65,6 +65,8 @@ def parse_args(argv=None):
     ap.add_argument("--threads", type=int, default=2, help="torch threads for training and evaluation")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=None, help="first N prompts per set (default: all)")
+    ap.add_argument("--num-prompts-other", type=int, default=None,
+                    help="first N prompts of the sets other than MT-bench (default: --num-prompts)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved timing repeats on MT-bench (the headline)")
     ap.add_argument("--repeats-other", type=int, default=1, help="interleaved timing repeats on the other sets")
     ap.add_argument("--lookup-first", type=int, default=3,
@@ -239,14 +241,15 @@ def stage_eval(args) -> list[dict]:
     rows = []
     for prompt_set in args.sets.split(","):
         repeats = args.repeats if prompt_set == "mtbench" else args.repeats_other
-        key = f"{args.label}_lf{args.lookup_first}_{prompt_set}_{args.num_prompts}_{args.max_new_tokens}_" \
+        num_prompts = args.num_prompts if prompt_set == "mtbench" else (args.num_prompts_other or args.num_prompts)
+        key = f"{args.label}_lf{args.lookup_first}_{prompt_set}_{num_prompts}_{args.max_new_tokens}_" \
               f"r{repeats}_t{args.threads}"
         path = CACHE / "evals" / f"{key}.json"
         if path.is_file():
             rows += [{**r, "from_cache": True} for r in json.loads(path.read_text())]
             print(f"{key}: cached", flush=True)
             continue
-        prompts = load_prompts(SETS[prompt_set], limit=args.num_prompts)
+        prompts = load_prompts(SETS[prompt_set], limit=num_prompts)
         ids = [encode_prompt(tokenizer, p.messages) for p in prompts]
         drafts = {(args.label, "chain k=5"): (drafter.proposer(target), TreeSpec(kind="chain", draft_length=5)),
                   ("prompt_lookup", "chain k=5"): (PromptLookupProposer(), TreeSpec(kind="chain", draft_length=5))}
