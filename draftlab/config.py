@@ -123,6 +123,10 @@ class DrafterConfig:
     """small_lm: keep the copied embeddings / LM head trainable and saved (default: frozen, restored from the target)."""
     init_from: str = ""
     """small_lm: start from this local pretrained model folder (the target's tokenizer) instead of the target's config."""
+    target_layers: list[int] = field(default_factory=list)
+    """small_lm: build the drafter from these decoder layers of the target (indices; negative count from the end),
+    with its embeddings, final norm and LM head: the self-speculative / layer-skip start. Sets the depth
+    (num_layers is then ignored) and needs the target's width (hidden_size 0)."""
     distill_mode: str = "offline_blackbox"
     """small_lm: offline_blackbox, offline_whitebox, online_whitebox, online_blackbox."""
     distill_loss: str = "fkl"

@@ -264,7 +264,7 @@ def small_lm_config(monkeypatch):
 
 
 @pytest.mark.parametrize("recipe", ["distill_offline_blackbox", "distill_offline_whitebox", "distill_online_whitebox",
-                                    "distill_online_blackbox"])
+                                    "distill_online_blackbox", "distill_layer_skip"])
 def test_recipe_trains_and_is_scored_losslessly(small_lm_config, recipe, tiny_target, tiny_target_dir,
                                                 tiny_prompt_file, tiny_chat_file, tmp_path):
     import json
@@ -282,7 +282,8 @@ def test_recipe_trains_and_is_scored_losslessly(small_lm_config, recipe, tiny_ta
                        "data.max_length=96", "data.limit=8", "drafter.num_layers=1", "drafter.rollout_tokens=8",
                        "train.max_steps=2", "train.batch_size=4", "train.warmup_steps=0", "train.keep_last=0",
                        "eval.every=2", "eval.num_prompts=2", "eval.max_new_tokens=12", "eval.draft_length=3",
-                       "tracking=none"])
+                       "tracking=none",
+                       *(["drafter.target_layers=[1]", "eval.at_start=false"] if recipe == "distill_layer_skip" else [])])
     summary = main(cfg)
     report = json.loads((tmp_path / "run" / "step_2" / "eval.json").read_text())
     assert report["lossless"] is True and 1.0 <= report["acceptance_length"] <= 4.0
@@ -291,4 +292,5 @@ def test_recipe_trains_and_is_scored_losslessly(small_lm_config, recipe, tiny_ta
         store = json.loads((tmp_path / "answers.jsonl.top20" / "manifest.json").read_text())
         assert store["complete"] and store["topk_logits"] == 20 and store["layers"] == []
     drafter = ckpt.load_drafter(tmp_path / "run", tiny_target[0])
-    assert drafter.kind == "small_lm" and drafter.settings["distill_mode"] == recipe.removeprefix("distill_")
+    mode = "offline_blackbox" if recipe == "distill_layer_skip" else recipe.removeprefix("distill_")
+    assert drafter.kind == "small_lm" and drafter.settings["distill_mode"] == mode

@@ -264,3 +264,57 @@ def test_exported_drafter_as_assistant_model(exported, tiny_target):
             assert ours.rounds + 1 <= len(hf) and hf_forwards <= len(hf), message
     finally:
         hook.remove()
+
+
+def test_target_layers_build_a_layer_skip_drafter(tiny_target):
+    """drafter.target_layers: the target's own layers, final norm, embeddings and LM head. All of them in order
+    is the target itself (same logits, every chain draft accepted); a subset keeps the chosen layers' weights and
+    trains them, with the embeddings and head frozen; bad index lists are refused with one line."""
+    model, tok = tiny_target
+    whole = SmallLM.from_target(model, _cfg(target_layers=[0, -1]), tok).eval()
+    ids = _ids(tok, "The quick brown fox")[None]
+    assert whole.model.config.num_hidden_layers == 2
+    assert torch.allclose(whole(ids), model(ids).logits, atol=1e-5)
+    report = evaluate(model, whole.proposer(model), _prompts(tok, 2), spec=TreeSpec(kind="chain", draft_length=4),
+                      sampling=Sampling(), max_new_tokens=16, eos_token_ids=[tok.eos_token_id], progress=False)
+    assert report["lossless"] is True and report["acceptance_length"] == pytest.approx(5.0)
+
+    last = SmallLM.from_target(model, _cfg(target_layers=[-1], num_layers=3), tok)
+    assert last.model.config.num_hidden_layers == 1  # the list sets the depth
+    mine, theirs = last.model.get_decoder(), model.get_decoder()
+    for (name, p), q in zip(mine.layers[0].named_parameters(), theirs.layers[1].parameters()):
+        assert torch.equal(p, q) and p.requires_grad, name
+    assert torch.equal(mine.norm.weight, theirs.norm.weight) and mine.norm.weight.requires_grad
+    saved = ckpt.trainable_state_dict(last)
+    assert saved and not any("embed" in k or "lm_head" in k for k in saved)
+    for bad, match in (([0, 0], "once"), ([1, 0], "order"), ([2], "outside"), ([-3], "outside")):
+        with pytest.raises(ValueError, match=match):
+            SmallLM.from_target(model, _cfg(target_layers=bad), tok)
+    with pytest.raises(ValueError, match="target's shapes"):
+        SmallLM.from_target(model, _cfg(target_layers=[0], hidden_size=32), tok)
+
+
+def test_layer_skip_drafter_trains_saves_and_stays_lossless(tiny_target, tmp_path):
+    model, tok = tiny_target
+    drafter = SmallLM.from_target(model, _cfg(target_layers=[1]), tok).train()
+    from draftlab.data import ChatDataset, collate
+
+    rows = [[{"role": "user", "content": t}, {"role": "assistant", "content": t[::-1]}]
+            for t in ("alpha beta gamma", "one two three four", "red green blue")]
+    batch = collate([ChatDataset(rows, tok, 64)[i] for i in range(3)], tok.pad_token_id)
+    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(10):
+        loss, _ = drafter.loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], losses
+    ckpt.save_drafter(drafter, tmp_path / "step_1")
+    loaded = ckpt.load_drafter(tmp_path / "step_1", model).eval()
+    ids = _ids(tok, "alpha beta")[None]
+    assert torch.equal(loaded(ids), drafter.eval()(ids))
+    report = evaluate(model, loaded.proposer(model), _prompts(tok, 2), spec=TreeSpec(kind="chain", draft_length=3),
+                      sampling=Sampling(), max_new_tokens=12, eos_token_ids=[tok.eos_token_id], progress=False)
+    assert report["lossless"] is True and 1.0 <= report["acceptance_length"] <= 4.0

@@ -98,3 +98,30 @@ def test_resume_continues_the_same_run(tiny_target_dir, tiny_chat_file, tiny_pro
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_fixed_text_white_box_training_lowers_the_loss(tiny_target_dir, tiny_target, tiny_prompt_file, tmp_path):
+    """{"text": ...} rows (documents the target did not write): every token of a document is learned from, with
+    the target's own features and next-token distributions as labels; the loss falls and the drafter stays
+    lossless."""
+    from draftlab.data import ChatDataset, read_conversations
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    docs = [" ".join(words[(i + j) % len(words)] for j in range(24)) for i in range(40)]
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    conversations, stats = read_conversations(str(data))
+    assert stats.kept == 40 and conversations[0] == [{"role": "assistant", "content": docs[0]}]
+    row = ChatDataset(conversations[:1], tiny_target[1], 256)[0]
+    content = len(tiny_target[1](docs[0], add_special_tokens=False)["input_ids"])
+    assert content <= sum(row["loss_mask"]) <= content + 2  # the whole document (+ the turn's end tokens)
+
+    out = tmp_path / "run"
+    main(load_config(tiny_args(tiny_target_dir, str(data), tiny_prompt_file, out, "train.max_steps=40",
+                               "train.lr=3e-3", "train.log_every=1", "tracking=jsonl", "eval.every=40",
+                               "drafter.feature_noise=0.0")))
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(line)]
+    assert len(losses) == 40 and sum(losses[-5:]) < 0.85 * sum(losses[:5]), losses
+    report = json.loads((out / "step_40" / "eval.json").read_text())
+    assert report["lossless"] is True and 1.0 <= report["acceptance_length"] <= 5.0

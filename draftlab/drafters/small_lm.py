@@ -48,7 +48,7 @@ _DEFAULTS = {"num_layers": 1, "hidden_size": 0, "num_attention_heads": 0, "num_k
              "intermediate_size": 0, "share_embeddings": True, "train_shared_embeddings": False, "init_from": "",
              "lora_r": 0, "lora_alpha": 0, "lora_dropout": 0.0, "distill_mode": "offline_blackbox",
              "distill_loss": "fkl", "distill_temperature": 1.0, "jsd_beta": 0.5, "student_ratio": 0.5,
-             "rollout_tokens": 64, "teacher_topk": 20, "draft_vocab_size": 0}
+             "rollout_tokens": 64, "teacher_topk": 20, "draft_vocab_size": 0, "target_layers": []}
 
 
 class VocabularyMismatchError(ConfigError):
@@ -113,6 +113,48 @@ def drafter_model_config(target, num_layers: int, hidden_size: int, heads: int, 
     if cfg._attn_implementation not in ("eager", "sdpa"):
         cfg._attn_implementation = "sdpa"
     return cfg
+
+
+def target_layer_indices(target, layers) -> list[int]:
+    """drafter.target_layers resolved against the target's depth (negative = from the end): distinct, ascending."""
+    depth = target.config.get_text_config(decoder=True).num_hidden_layers
+    bad = [i for i in layers if not -depth <= int(i) < depth]
+    if bad:
+        raise ConfigError(f"drafter.target_layers {list(layers)}: {bad} outside the target's {depth} decoder layers "
+                          f"(use 0..{depth - 1}, or -1 for the last)")
+    resolved = [int(i) % depth for i in layers]
+    if resolved != sorted(set(resolved)):
+        raise ConfigError(f"drafter.target_layers {list(layers)} = layers {resolved} of the target: give each layer "
+                          "once, in the target's order")
+    return resolved
+
+
+def layer_subset(target, s: dict):
+    """A causal LM of the target's family made of some of its decoder layers (copied, trainable) with its
+    embeddings, final norm and LM head (copied; embeddings and head frozen unless train_shared_embeddings):
+    the self-speculative / layer-skip start (Draft & Verify, LayerSkip), then distilled like any small_lm."""
+    from transformers import AutoModelForCausalLM
+
+    if s["hidden_size"] or s["intermediate_size"] or s["num_attention_heads"] or s["num_key_value_heads"] \
+            or not s["share_embeddings"]:
+        raise ConfigError("drafter.target_layers copies the target's layers, so the drafter has the target's shapes: "
+                          "leave drafter.hidden_size, intermediate_size, num_attention_heads and num_key_value_heads "
+                          "at 0 and share_embeddings true")
+    chosen = target_layer_indices(target, s["target_layers"])
+    config = drafter_model_config(target, len(chosen), 0, 0, 0, 0)
+    source = target.config.get_text_config(decoder=True)
+    if getattr(source, "layer_types", None) is not None:
+        config.layer_types = [source.layer_types[i] for i in chosen]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    theirs, mine = target.get_decoder(), model.get_decoder()
+    with torch.no_grad():
+        for j, i in enumerate(chosen):
+            mine.layers[j].load_state_dict({k: v.float() for k, v in theirs.layers[i].state_dict().items()})
+        mine.norm.load_state_dict({k: v.float() for k, v in theirs.norm.state_dict().items()})
+    SmallLM._copy_embeddings(model, target, not s["train_shared_embeddings"])
+    for p in [*mine.layers.parameters(), *mine.norm.parameters()]:
+        p.requires_grad_(True)
+    return model
 
 
 def _eos_ids(model) -> list[int]:
@@ -217,6 +259,7 @@ class SmallLM(nn.Module):
         """cfg: any object with the fields of _DEFAULTS (missing ones take the defaults). tokenizer: the target's
         (None: found from the target's folder when it has one) to check a pretrained drafter's tokenizer."""
         settings = {k: getattr(cfg, k, v) for k, v in _DEFAULTS.items()}
+        settings["target_layers"] = [int(i) for i in settings["target_layers"]]  # a plain list (config: ListConfig)
         return cls._build(target, settings, tokenizer if tokenizer is not None else target_tokenizer(target))
 
     @classmethod
@@ -229,6 +272,8 @@ class SmallLM(nn.Module):
                 raise ConfigError(f"{where}: no config.json there; point it at a local transformers model folder")
             model = AutoModelForCausalLM.from_pretrained(s["init_from"], dtype=torch.float32)
             check_vocabulary(model, _folder_tokenizer(s["init_from"]), target, tokenizer, where)
+        elif s["target_layers"]:
+            model = layer_subset(target, s)
         else:
             config = drafter_model_config(target, s["num_layers"], s["hidden_size"], s["num_attention_heads"],
                                           s["num_key_value_heads"], s["intermediate_size"])
