@@ -322,6 +322,12 @@ def test_official_eagle3_layout_agrees_with_speculators_converter(eagle3_case, t
     Eagle3Converter().convert(folder, tmp_path / "converted", base_model=x.target_dir, validate=False,
                               eagle_aux_hidden_state_layer_ids=[2, 4, 5])
     theirs = Eagle3DraftModel.from_pretrained(str(tmp_path / "converted")).eval()
+    # An official EAGLE-3 folder has no embed_tokens (the head reads the target's), and speculators' converter
+    # does not add one: its model is left with an uninitialised embedding (whatever was in memory; seen here
+    # with sums near 1e30). Engines give the draft the target's embedding, as draftlab's import does.
+    assert torch.equal(ours._borrowed.embed.weight, x.model.get_input_embeddings().weight)
+    with torch.no_grad():
+        theirs.embed_tokens.weight.copy_(x.model.get_input_embeddings().weight)
     aux = aux_states(x.model, ours, x.ids[:, :128])
     for a, b in zip(ours_ttt_logits(ours, aux, x.ids, 2), speculators_ttt_logits(theirs, aux, x.ids, 2)):
         close(a, b)
