@@ -233,10 +233,17 @@ def stage_eval(args) -> list[dict]:
     def hybrid():
         return LookupFirstProposer(drafter.proposer(target), min_ngram=args.lookup_first,
                                    max_ngram=max(4, args.lookup_first))
-    shape = costs.auto_draft_length(target, hybrid() if args.lookup_first else drafter.proposer(target),
-                                    calibration, Sampling(), max_length=8, max_new_tokens=64, eos_token_ids=eos)
-    auto_k = shape["chosen_draft_length"]
-    print(f"auto draft length: k={auto_k} (calibrated on {CALIBRATION})", flush=True)
+    measured = {}
+
+    def auto_shape() -> dict:
+        """The cost-aware chain length, measured once, and only when some prompt set is not cached."""
+        if not measured:
+            measured.update(costs.auto_draft_length(
+                target, hybrid() if args.lookup_first else drafter.proposer(target), calibration, Sampling(),
+                max_length=8, max_new_tokens=64, eos_token_ids=eos))
+            print(f"auto draft length: k={measured['chosen_draft_length']} (calibrated on {CALIBRATION})", flush=True)
+        return measured
+
     name = args.label + (f" + lookup-first (n>={args.lookup_first})" if args.lookup_first else "")
     rows = []
     for prompt_set in args.sets.split(","):
@@ -255,6 +262,8 @@ def stage_eval(args) -> list[dict]:
                   ("prompt_lookup", "chain k=5"): (PromptLookupProposer(), TreeSpec(kind="chain", draft_length=5))}
         if args.lookup_first:
             drafts[(name, "chain k=5")] = (hybrid(), TreeSpec(kind="chain", draft_length=5))
+        shape = auto_shape()
+        auto_k = shape["chosen_draft_length"]
         drafts[(name, f"auto (chain k={auto_k})")] = (hybrid() if args.lookup_first else drafter.proposer(target),
                                                        TreeSpec(kind="chain", draft_length=auto_k))
         t0 = time.time()
