@@ -10,7 +10,7 @@ with the full LM head and once with a draft vocabulary of the --vocab most frequ
 A round measures the target step, then every kind's two variants (full first in even rounds, reduced first in odd
 ones), each a median of --inner calls; --repeats rounds. Every figure is a ratio to the target step of its own
 round; the table gives the median ratio over rounds with its min and max, and the 1-minute load average around
-each round (a round is marked busy above --busy-load). Writes bench/results/draft_cost.json and .md.
+each round (a round is marked busy above --busy-load, by default the run's threads + 0.5). Writes bench/results/draft_cost.json and .md.
 
 Kinds: eagle (EAGLE-1 head, 1 layer), eagle3 (its own head over the draft vocabulary), medusa (--medusa-heads
 heads, one propose computes them all), small_lm (4 layers from the target's config, shared frozen embeddings),
@@ -101,10 +101,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds")
     ap.add_argument("--inner", type=int, default=3, help="timed calls per measurement in a round (median)")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--busy-load", type=float, default=1.0, help="1-minute load average above which a round is busy")
+    ap.add_argument("--busy-load", type=float, default=None,
+                    help="1-minute load average above which a round is busy (default: --threads + 0.5, since the "
+                         "run's own threads count in the load)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "draft_cost.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.busy_load is None:
+        args.busy_load = args.threads + 0.5
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = set(kinds) - set(KINDS)
     if unknown:

@@ -326,11 +326,15 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     ap.add_argument("--curve", type=int, default=64, help="cost curve for n = 1..CURVE tokens (0 = skip it)")
     ap.add_argument("--curve-passes", type=int, default=5, help="interleaved passes over the curve")
-    ap.add_argument("--busy-load", type=float, default=1.0, help="load average above which figures are marked busy")
+    ap.add_argument("--busy-load", type=float, default=None,
+                    help="load average above which figures are marked busy (default: the run's threads + 0.5, "
+                         "since the run's own threads count in the load)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "verification_cost.json"))
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.busy_load is None:
+        args.busy_load = torch.get_num_threads() + 0.5
     load_avg = os.getloadavg()[0]
     if load_avg > 0.5 * (os.cpu_count() or 1):
         # other busy processes make small CPU matmuls many times slower, multi-token ones most of all
