@@ -96,9 +96,11 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--turns", choices=["1", "2", "both"], default="1",
                    help="MT-bench style rows with `turns`: score the first turn, the second turn (a real two-turn "
                         "conversation whose first answer is the target's own greedy answer), or both")
-    p.add_argument("--adaptive-threshold", type=float, default=None,
+    p.add_argument("--adaptive-threshold", default=None,
                    help="acceptance heads: stop a chain once 1 - prod(predicted acceptance) exceeds this "
-                        "(1 = never: fixed k; default: the checkpoint's drafter.adaptive_threshold)")
+                        "(1 = never: fixed k; default: the checkpoint's drafter.adaptive_threshold), or auto: "
+                        "measure costs and pilot thresholds 0.1..0.9 against fixed chains k = 1..--max-draft-length "
+                        "on calibration prompts and keep the most expected tokens/s (add --fixed-k 1 for the control)")
     p.add_argument("--min-draft", type=int, default=None,
                    help="acceptance heads: draft at least this many tokens per round (default: the checkpoint's)")
     p.add_argument("--fixed-k", default="",
@@ -182,6 +184,16 @@ def cmd_eval(argv: list[str]) -> None:
 
     args = eval_parser().parse_args(argv)
     auto = args.draft_length == "auto" or args.tree == "auto"
+    auto_threshold = args.adaptive_threshold == "auto"
+    if args.adaptive_threshold is not None and not auto_threshold:
+        try:
+            args.adaptive_threshold = float(args.adaptive_threshold)
+        except ValueError:
+            raise ConfigError(f"--adaptive-threshold {args.adaptive_threshold!r}: give a number in [0, 1], or auto") \
+                from None
+    if auto_threshold and (auto or args.tree != "chain"):
+        raise ConfigError("--adaptive-threshold auto chooses the chain's length too: drop --draft-length auto / "
+                          "--tree (it drafts chains of up to --max-draft-length)")
     if args.draft_length != "auto":
         if not args.draft_length.isdigit():
             raise ConfigError(f"--draft-length {args.draft_length!r}: give a whole number of at least 1, or auto")
@@ -197,6 +209,16 @@ def cmd_eval(argv: list[str]) -> None:
     if foreign and not (args.target or foreign.target):
         raise ConfigError(f"--checkpoint {args.checkpoint} ({foreign.kind} format) does not name its target: pass "
                           "--target PATH")
+    adaptive = {k: v for k, v in (("adaptive_threshold", args.adaptive_threshold), ("min_draft", args.min_draft))
+                if v is not None and v != "auto"}
+    if adaptive or args.fixed_k or auto_threshold:  # acceptance-head options: check the kind before anything loads
+        from draftlab.checkpoint import read_drafter_config
+
+        kind = foreign.kind if foreign else read_drafter_config(folder).get("kind") if folder else "prompt_lookup"
+        if kind != "acceptance":
+            raise ConfigError("--adaptive-threshold, --min-draft and --fixed-k need an acceptance-head checkpoint "
+                              f"(drafter kind 'acceptance'); {args.checkpoint or '--proposer prompt_lookup'} is a "
+                              f"'{kind}' drafter")
     prompts = load_prompts(args.prompts, limit=args.num_prompts)  # bad prompt files fail before the model loads
     target_path = args.target or (foreign.target if foreign else checkpoint_target(folder) if folder else None)
     target, tokenizer = load_target(target_path, args.dtype, args.device)
@@ -205,13 +227,8 @@ def cmd_eval(argv: list[str]) -> None:
                         ("--sampling-top-k", args.sampling_top_k)):
         if value > vocab:
             raise ConfigError(f"{name} {value} is above the target's vocabulary size {vocab}")
-    adaptive = {k: v for k, v in (("adaptive_threshold", args.adaptive_threshold), ("min_draft", args.min_draft))
-                if v is not None}
     if args.checkpoint:
         drafter = foreign.load(target) if foreign else load_drafter(folder, target).eval()
-        if (adaptive or args.fixed_k) and drafter.kind != "acceptance":
-            raise ConfigError("--adaptive-threshold, --min-draft and --fixed-k need an acceptance-head checkpoint "
-                              f"(drafter kind 'acceptance'); {args.checkpoint} is a '{drafter.kind}' drafter")
         proposer = drafter.proposer(target, **adaptive)
         if args.lookup_first:
             from draftlab.proposers import LookupFirstProposer
@@ -230,7 +247,14 @@ def cmd_eval(argv: list[str]) -> None:
     conversations, categories = conversations_for_turns(prompts, args.turns, target, tokenizer, args.max_new_tokens, eos)
     prompt_ids = [encode_prompt(tokenizer, messages) for messages in conversations]
     shape = None
-    if auto:
+    if auto_threshold:
+        from functools import partial
+
+        shape = choose_threshold(args, target, tokenizer, partial(drafter.proposer, target), prompt_ids, sampling, eos)
+        adaptive["adaptive_threshold"] = shape["chosen_threshold"]
+        proposer = drafter.proposer(target, **adaptive)
+        spec = TreeSpec(kind="chain", draft_length=shape["chosen_draft_length"])
+    elif auto:
         shape = choose_shape(args, target, tokenizer, proposer, prompt_ids, sampling, eos)
         spec = TreeSpec(**shape["chosen_tree"])
     else:
@@ -253,6 +277,8 @@ def cmd_eval(argv: list[str]) -> None:
     if shape is not None:
         report["draft_shape"] = shape
         report["chosen_draft_length"] = shape["chosen_draft_length"]
+        if auto_threshold:
+            report["chosen_threshold"] = shape["chosen_threshold"]
     report["prompts"] = args.prompts
     report["turns"] = args.turns
     write_report(report, args.out)
@@ -263,17 +289,36 @@ def cmd_eval(argv: list[str]) -> None:
     print(f"report: {out} (table: {out.with_suffix('.md')}; plots: {', '.join(plots)})")
 
 
-def choose_shape(args, target, tokenizer, proposer, prompt_ids, sampling, eos) -> dict:
-    """--draft-length auto / --tree auto: costs measured here, acceptance from calibration prompts (costs.py)."""
-    from draftlab import costs
+def calibration_set(args, tokenizer, prompt_ids) -> tuple[list, str]:
+    """--calibration-prompts: N = the first N prompts being scored, or a JSONL file (its first 8)."""
     from draftlab.data import encode_prompt, load_prompts
 
     text = args.calibration_prompts
     if text.isdigit():
-        calibration, where = prompt_ids[: max(1, int(text))], f"the first {max(1, int(text))} of {args.prompts}"
-    else:
-        calibration = [encode_prompt(tokenizer, p.messages) for p in load_prompts(text, limit=8)]
-        where = text
+        return prompt_ids[: max(1, int(text))], f"the first {max(1, int(text))} of {args.prompts}"
+    return [encode_prompt(tokenizer, p.messages) for p in load_prompts(text, limit=8)], text
+
+
+def choose_threshold(args, target, tokenizer, make_proposer, prompt_ids, sampling, eos) -> dict:
+    """--adaptive-threshold auto: thresholds against fixed chains, costed on this machine (costs.auto_threshold)."""
+    from draftlab import costs
+
+    calibration, where = calibration_set(args, tokenizer, prompt_ids)
+    shape = costs.auto_threshold(target, make_proposer, calibration, sampling,
+                                 max_length=args.max_draft_length, min_draft=args.min_draft,
+                                 max_new_tokens=min(64, args.max_new_tokens), eos_token_ids=eos, seed=args.seed)
+    shape["calibration_prompts"] = where
+    print(f"stopping rule: {shape['chosen_label']} (expected tokens/s: " + ", ".join(
+        f"{label}: {c['expected_tokens_per_second']:.1f}" for label, c in shape["threshold_candidates"].items())
+          + ")", flush=True)
+    return shape
+
+
+def choose_shape(args, target, tokenizer, proposer, prompt_ids, sampling, eos) -> dict:
+    """--draft-length auto / --tree auto: costs measured here, acceptance from calibration prompts (costs.py)."""
+    from draftlab import costs
+
+    calibration, where = calibration_set(args, tokenizer, prompt_ids)
     common = dict(max_length=args.max_draft_length, max_new_tokens=min(64, args.max_new_tokens), eos_token_ids=eos,
                   seed=args.seed)
     if args.tree == "auto":

@@ -232,6 +232,15 @@ class EvalConfig:
     repeats: int = 1
     """Target-only and speculative decoding timed interleaved prompt by prompt this many times (median speedup,
     with its min and max); 0 = time target-only decoding once, at the first evaluation, and reuse it (cheaper)."""
+    auto_draft_length: bool = False
+    """Chains: at each evaluation, measure the draft and verification costs on this machine and the drafter's
+    acceptance on the first eval.calibration_prompts prompts, and draft the chain length (up to
+    eval.max_draft_length) with the most expected tokens/s (draftlab eval --draft-length auto; draftlab/costs.py).
+    The report carries chosen_draft_length and the measured costs; `best` is still the highest tau."""
+    max_draft_length: int = 8
+    """Longest chain eval.auto_draft_length considers."""
+    calibration_prompts: int = 2
+    """Eval prompts eval.auto_draft_length calibrates on (the first N)."""
 
 
 @dataclass
@@ -279,7 +288,8 @@ RANGES = {
     **dict.fromkeys(["train.max_steps", "train.batch_size", "train.grad_accum", "train.log_every",
                      "train.bucket_batches", "data.max_length", "data.regenerate_max_new_tokens",
                      "data.regenerate_batch_size", "eval.num_prompts", "eval.max_new_tokens", "eval.draft_length",
-                     "eval.depth", "eval.top_k", "eval.total_tokens", "drafter.num_layers", "drafter.ttt_steps",
+                     "eval.depth", "eval.top_k", "eval.total_tokens",
+                     "eval.max_draft_length", "eval.calibration_prompts", "drafter.num_layers", "drafter.ttt_steps",
                      "drafter.harmonized_steps", "drafter.medusa_heads", "drafter.medusa_tree_nodes", "drafter.rollout_tokens",
                      "drafter.teacher_topk", "drafter.min_draft"], "[1, inf)"),
     **dict.fromkeys(["train.lr", "train.max_minutes", "train.weight_decay", "train.warmup_steps", "train.grad_clip", "train.save_every",
@@ -511,6 +521,9 @@ def validate(cfg) -> None:
         raise ConfigError("config key 'data.train' is empty: set data.train=FILE.jsonl or a datasets Hub id")
     if cfg.eval.every > 0 and not cfg.data.eval_prompts:
         raise ConfigError("in-loop evaluation needs prompts: set data.eval_prompts=FILE.jsonl (or eval.every=0)")
+    if cfg.eval.auto_draft_length and cfg.eval.tree != "chain":
+        raise ConfigError(f"eval.auto_draft_length=true chooses a chain's length, but eval.tree={cfg.eval.tree}: set "
+                          "eval.tree=chain (or eval.auto_draft_length=false)")
 
 
 def tracking_list(cfg) -> list[str]:

@@ -32,6 +32,22 @@ def _median(values: list[float]) -> float:
     return ordered[len(ordered) // 2]
 
 
+def _timed_interleaved(fns: dict, repeats: int) -> dict:
+    """Median wall-clock seconds of each fn over `repeats` passes that time every fn once, ascending then
+    descending order in turn (after one untimed pass): a drift in the machine's speed while measuring (other
+    jobs, frequency) then spreads over every key instead of landing on the few timed at that moment."""
+    keys = list(fns)
+    for key in keys:
+        fns[key]()
+    times = {key: [] for key in keys}
+    for r in range(repeats):
+        for key in (keys if r % 2 == 0 else keys[::-1]):
+            start = time.perf_counter()
+            fns[key]()
+            times[key].append(time.perf_counter() - start)
+    return {key: _median(values) for key, values in times.items()}
+
+
 def _timed(fn, repeats: int) -> float:
     """Median wall-clock seconds of fn() over `repeats` calls, after one untimed call."""
     fn()
@@ -45,8 +61,9 @@ def _timed(fn, repeats: int) -> float:
 
 @torch.inference_mode()
 def measure_verify_cost(target, prompt_ids: Tensor, sizes: list[int], *, tree: bool = False,
-                        feature_layers: tuple[int, ...] = (), repeats: int = 5) -> dict[int, float]:
-    """Seconds of one target forward over n new tokens (n in sizes) after the prompt's cache, median of repeats.
+                        feature_layers: tuple[int, ...] = (), repeats: int = 7) -> dict[int, float]:
+    """Seconds of one target forward over n new tokens (n in sizes) after the prompt's cache, median of repeats
+    (interleaved passes over every size).
 
     tree=False: a chain (the model's causal mask); tree=True: a bushy tree under an explicit 4-D tree mask
     (every node a child of the root or of node 0), the evaluator's path for trees. feature_layers: hidden states
@@ -56,8 +73,8 @@ def measure_verify_cost(target, prompt_ids: Tensor, sizes: list[int], *, tree: b
     cache = DynamicCache(config=target.config)
     target(input_ids=prompt_ids.to(device)[None], past_key_values=cache, use_cache=True)
     prefix = cache.get_seq_length()
-    costs = {}
-    for n in sizes:
+
+    def forward_over(n: int):
         ids = torch.randint(0, target.config.get_text_config().vocab_size, (1, n), device=device)
         mask = positions = None
         if tree and n > 1:
@@ -69,14 +86,15 @@ def measure_verify_cost(target, prompt_ids: Tensor, sizes: list[int], *, tree: b
             target(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True,
                    output_hidden_states=bool(feature_layers))
             cache.crop(prefix - cache.get_seq_length())
-        costs[n] = _timed(forward, repeats)
-    return costs
+        return forward
+    return _timed_interleaved({n: forward_over(n) for n in sizes}, repeats)
 
 
 @torch.inference_mode()
 def measure_draft_cost(target, proposer, prompt_ids: Tensor, lengths: list[int], sampling: Sampling,
-                       repeats: int = 5) -> dict[int, float]:
-    """Seconds of `proposer.propose` for a chain of k (k in lengths) on the committed prompt, median of repeats.
+                       repeats: int = 7) -> dict[int, float]:
+    """Seconds of `proposer.propose` for a chain of k (k in lengths) on the committed prompt, median of repeats
+    (interleaved passes over every length).
     The proposer is reset and committed to the prompt as the evaluator does after a prefill."""
     device = target.device
     layers = tuple(proposer.feature_layers)
@@ -89,8 +107,8 @@ def measure_draft_cost(target, proposer, prompt_ids: Tensor, lengths: list[int],
     features = target_features(out.hidden_states, layers)[0] if layers else None
     proposer.commit(out.logits[0, -1].argmax().reshape(1), features)
     generator = torch.Generator(device=device).manual_seed(0)
-    return {k: _timed(lambda: proposer.propose(TreeSpec(kind="chain", draft_length=k), sampling, generator), repeats)
-            for k in lengths}
+    return _timed_interleaved({k: (lambda k=k: proposer.propose(TreeSpec(kind="chain", draft_length=k), sampling,
+                                                                generator)) for k in lengths}, repeats)
 
 
 def expected_tokens(per_position: list[float], k: int) -> float:
@@ -134,7 +152,7 @@ def pilot(target, proposer, prompts: list[Tensor], spec: TreeSpec, sampling: Sam
     return {"acceptance_length": sum(r.new_tokens for r in results) / max(rounds, 1),
             "per_position_acceptance": [sum(a > i for a in accepted) / max(rounds, 1) for i in range(depth)],
             "seconds_per_round": sum(r.seconds - r.prefill_seconds for r in results) / max(rounds, 1),
-            "rounds": rounds}
+            "draft_lengths": [d for r in results for d in r.draft_nodes], "rounds": rounds}
 
 
 def auto_draft_length(target, proposer, calibration: list[Tensor], sampling: Sampling, *, max_length: int = 8,
@@ -189,6 +207,54 @@ def auto_tree(target, proposer, calibration: list[Tensor], sampling: Sampling, *
                                             "expected_tokens_per_second": run["acceptance_length"] / seconds}
     best = max(candidates, key=lambda c: candidates[c]["expected_tokens_per_second"])
     return {**chain, "chosen_tree": candidates[best]["tree"], "chosen_label": best, "tree_candidates": candidates}
+
+
+THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)   # stopping thresholds `auto_threshold` tries
+
+
+def expected_adaptive_seconds(draft_lengths: list[int], verify: dict[int, float], draft: dict[int, float],
+                              overhead: float = 0.0) -> float:
+    """Mean seconds of a round when chains stop at the lengths observed (draft[k] + verify[k + 1] per round)."""
+    if not draft_lengths:
+        raise ValueError("no rounds to cost")
+    return sum(draft[k] + verify[k + 1] for k in draft_lengths) / len(draft_lengths) + overhead
+
+
+def auto_threshold(target, make_proposer, calibration: list[Tensor], sampling: Sampling, *, max_length: int = 8,
+                   thresholds: tuple[float, ...] = THRESHOLDS, min_draft: int | None = None,
+                   max_new_tokens: int = 64, eos_token_ids=None, seed: int = 0) -> dict:
+    """An acceptance head's stopping threshold, chosen against fixed chains.
+
+    make_proposer(adaptive_threshold=..., min_draft=...) -> proposer (threshold 1 = fixed-k drafting, the head
+    still read after every token, so the draft costs below include it). The fixed chains k = 1..max_length are
+    costed as in `auto_draft_length` (k = 1 is the control that adaptive stopping must beat); each threshold runs
+    a pilot with chains of up to max_length on the calibration prompts, which gives its tau and the length at
+    which every round stopped, costed with the same measured draft[k] and verify[k + 1]. The candidate with the
+    most expected tokens per second wins. Returns auto_draft_length's dict plus {chosen_threshold (1.0 when a
+    fixed chain wins), chosen_draft_length (the chain's k, or max_length for a threshold), chosen_label,
+    threshold_candidates: {label: {threshold, draft_length, tau, mean_draft_length, expected_tokens_per_second}}}.
+    """
+    chain = auto_draft_length(target, make_proposer(adaptive_threshold=1.0, min_draft=min_draft), calibration,
+                              sampling, max_length=max_length, max_new_tokens=max_new_tokens,
+                              eos_token_ids=eos_token_ids, seed=seed)
+    draft, verify, overhead = chain["draft_cost"], chain["verify_cost"], chain["round_overhead"]
+    candidates = {f"fixed k={k}": {"threshold": 1.0, "draft_length": k, "tau": row["expected_tokens"],
+                                   "mean_draft_length": float(k),
+                                   "expected_tokens_per_second": row["expected_tokens_per_second"]}
+                  for k, row in chain["cost_model"].items()}
+    spec = TreeSpec(kind="chain", draft_length=max_length)
+    for t in thresholds:
+        run = pilot(target, make_proposer(adaptive_threshold=t, min_draft=min_draft), calibration, spec, sampling,
+                    max_new_tokens, eos_token_ids, seed)
+        seconds = expected_adaptive_seconds(run["draft_lengths"], verify, draft, overhead)
+        candidates[f"threshold {t:g}"] = {
+            "threshold": t, "draft_length": max_length, "tau": run["acceptance_length"],
+            "mean_draft_length": sum(run["draft_lengths"]) / len(run["draft_lengths"]),
+            "expected_tokens_per_second": run["acceptance_length"] / seconds}
+    best = max(candidates, key=lambda c: candidates[c]["expected_tokens_per_second"])
+    return {**chain, "chosen_threshold": candidates[best]["threshold"],
+            "chosen_draft_length": candidates[best]["draft_length"], "chosen_label": best,
+            "threshold_candidates": candidates}
 
 
 @torch.inference_mode()

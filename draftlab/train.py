@@ -391,10 +391,21 @@ class InLoopEvaluator:
                                          eos_token_ids=self.eos, sampling=sampling, seed=e.seed)
         was_training = drafter.training
         drafter.eval()
+        shape = None
+        if e.auto_draft_length:  # the chain length this checkpoint drafts best on this machine (costs.py)
+            from draftlab.costs import auto_draft_length
+
+            shape = auto_draft_length(self.target, drafter.proposer(self.target),
+                                      self.prompt_ids[: e.calibration_prompts], sampling,
+                                      max_length=e.max_draft_length, max_new_tokens=min(64, e.max_new_tokens),
+                                      eos_token_ids=self.eos, seed=e.seed)
+            spec = TreeSpec(kind="chain", draft_length=shape["chosen_draft_length"])
         report = evaluate(self.target, drafter.proposer(self.target), self.prompt_ids, spec=spec, sampling=sampling,
                           max_new_tokens=e.max_new_tokens, eos_token_ids=self.eos,
                           baseline=self.baseline if reuse else None, categories=self.categories, seed=e.seed,
                           progress=False, repeats=e.repeats)
+        if shape is not None:
+            report["draft_shape"], report["chosen_draft_length"] = shape, shape["chosen_draft_length"]
         drafter.train(was_training)
         return report
 

@@ -294,6 +294,46 @@ def test_every_report_has_the_draft_cost_keys(tiny_target, prompts):
     assert report["mean_draft_length"] == 3 and report["wasted_draft_tokens"] == 0
 
 
+def test_auto_threshold_weighs_every_threshold_against_fixed_chains(tiny_target, head, prompts):
+    """costs.auto_threshold: fixed k = 1..K (k = 1 is the control) and each threshold are costed on the same
+    measured draft / verification costs; the winner has the most expected tokens/s, and its shape is usable."""
+    from draftlab import costs
+
+    model = tiny_target[0]
+    shape = costs.auto_threshold(model, partial(head.proposer, model), prompts[:2], GREEDY, max_length=3,
+                                 thresholds=(0.2, 0.6), max_new_tokens=12)
+    candidates = shape["threshold_candidates"]
+    assert set(candidates) == {"fixed k=1", "fixed k=2", "fixed k=3", "threshold 0.2", "threshold 0.6"}
+    best = max(candidates, key=lambda c: candidates[c]["expected_tokens_per_second"])
+    assert shape["chosen_label"] == best and shape["chosen_threshold"] == candidates[best]["threshold"]
+    assert 1 <= shape["chosen_draft_length"] <= 3
+    for label, c in candidates.items():
+        assert 1.0 <= c["tau"] <= c["draft_length"] + 1 and 1.0 <= c["mean_draft_length"] <= c["draft_length"]
+        assert c["threshold"] == (1.0 if label.startswith("fixed") else float(label.split()[1]))
+    assert candidates["fixed k=2"]["mean_draft_length"] == 2.0
+
+
+def test_eval_cli_auto_threshold_with_the_fixed_k1_control(tiny_target, tiny_target_dir, tiny_prompt_file, head,
+                                                           tmp_path):
+    import subprocess
+    import sys
+
+    folder = ckpt.save_drafter(head, tmp_path / "acc" / "step_1")
+    out = tmp_path / "auto.json"
+    proc = subprocess.run([sys.executable, "-m", "draftlab.cli", "eval", "--checkpoint", str(folder), "--target",
+                           tiny_target_dir, "--prompts", tiny_prompt_file, "--out", str(out), "--num-prompts", "2",
+                           "--max-new-tokens", "12", "--adaptive-threshold", "auto", "--max-draft-length", "3",
+                           "--calibration-prompts", "1", "--fixed-k", "1"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    shape = report["draft_shape"]
+    assert report["chosen_threshold"] == shape["chosen_threshold"] and "fixed k=1" in shape["threshold_candidates"]
+    assert report["lossless"] and report["fixed_k"]["1"]["lossless"] and report["fixed_k"]["1"]["mean_draft_length"] == 1
+    assert report["tree"]["draft_length"] == report["chosen_draft_length"] == shape["chosen_draft_length"]
+    assert "stopping rule:" in proc.stdout
+
+
 # --- the training loop -------------------------------------------------------------------------------------
 
 def test_recipe_trains_and_evaluates_in_the_loop(tiny_target, tiny_target_dir, tiny_chat_file, tiny_prompt_file,

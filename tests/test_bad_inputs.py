@@ -48,6 +48,8 @@ def config_error(args: list[str]) -> str:
     (["hub.repo_id=me/name.git"], ["hub.repo_id", "not a Hub model id"]),
     (["hub.repo_id=datasets/me/x"], ["hub.repo_id", "dataset repository"]),
     (["drafter.kind=medusa2", "drafter.lora_r=0"], ["'drafter.lora_r' is 0", "medusa2"]),
+    (["eval.tree=dynamic", "eval.auto_draft_length=true"], ["eval.auto_draft_length=true", "eval.tree=chain"]),
+    (["eval.calibration_prompts=0"], ["'eval.calibration_prompts' is 0", "at least 1"]),
 ])
 def test_config_values_out_of_range(args, words):
     message = config_error([*REQUIRED, *args])

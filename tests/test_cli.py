@@ -57,7 +57,8 @@ def test_eval_prompt_lookup_needs_no_checkpoint(tiny_target_dir, tiny_prompt_fil
     assert report["drafter"] == "prompt_lookup" and report["lossless"] is True
 
 
-@pytest.mark.parametrize("case", ["missing_checkpoint", "missing_prompts", "bad_prompts", "no_target", "bad_fixed_k"])
+@pytest.mark.parametrize("case", ["missing_checkpoint", "missing_prompts", "bad_prompts", "no_target", "bad_fixed_k",
+                                  "bad_threshold", "auto_threshold_not_acceptance"])
 def test_eval_bad_input_is_one_line(case, head_checkpoint, tiny_target_dir, tiny_prompt_file, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": 1, "messages": [{"role": "user", "content": "hi"}]}\n{not json\n')
@@ -65,7 +66,11 @@ def test_eval_bad_input_is_one_line(case, head_checkpoint, tiny_target_dir, tiny
             "missing_prompts": ["--checkpoint", head_checkpoint, "--prompts", str(tmp_path / "nope.jsonl")],
             "bad_prompts": ["--checkpoint", head_checkpoint, "--prompts", str(bad)],
             "no_target": ["--proposer", "prompt_lookup", "--prompts", tiny_prompt_file],
-            "bad_fixed_k": ["--checkpoint", head_checkpoint, "--prompts", tiny_prompt_file, "--fixed-k", "2,four"]}[case]
+            "bad_fixed_k": ["--checkpoint", head_checkpoint, "--prompts", tiny_prompt_file, "--fixed-k", "2,four"],
+            "bad_threshold": ["--checkpoint", head_checkpoint, "--prompts", tiny_prompt_file,
+                              "--adaptive-threshold", "high"],
+            "auto_threshold_not_acceptance": ["--checkpoint", head_checkpoint, "--prompts", tiny_prompt_file,
+                                              "--adaptive-threshold", "auto"]}[case]
     proc = run_cli("eval", *args, "--out", str(tmp_path / "r.json"), "--target", tiny_target_dir) \
         if case != "no_target" else run_cli("eval", *args, "--out", str(tmp_path / "r.json"))
     assert proc.returncode == 2, proc.stderr

@@ -33,6 +33,16 @@ def test_choose_draft_length_finds_the_known_optimum():
     assert best == 1
 
 
+def test_adaptive_rounds_are_costed_at_the_length_each_stopped():
+    """Rounds that stopped after 1, 1 and 4 drafts: each costs its own draft[k] + verify[k + 1], plus overhead."""
+    verify = {n: 1.0 + 0.1 * (n - 1) for n in range(1, 10)}
+    draft = {k: 0.05 * k for k in range(1, 9)}
+    seconds = costs.expected_adaptive_seconds([1, 1, 4], verify, draft, overhead=0.2)
+    assert seconds == pytest.approx((2 * (0.05 + 1.1) + (0.2 + 1.4)) / 3 + 0.2)
+    with pytest.raises(ValueError):
+        costs.expected_adaptive_seconds([], verify, draft)
+
+
 def test_measured_costs_and_auto_choice_on_the_tiny_target(tiny_target):
     model, tok = tiny_target
     prompts = [torch.tensor(tok(t)["input_ids"]) for t in ("The quick brown fox", "def add(a, b):")]
@@ -104,3 +114,25 @@ def test_side_by_side_shares_the_target_only_runs_and_rotates_the_order(tiny_tar
     assert "".join(calls) == "TAB" + "ABT" + "BTA"
     assert reports["b"]["acceptance_length"] == 3.0 and reports["a"]["lossless"] and reports["b"]["lossless"]
     assert reports["a"]["baseline_tokens_per_second"] == reports["b"]["baseline_tokens_per_second"]
+
+
+def test_in_loop_evaluation_can_choose_the_draft_length(tiny_target_dir, tiny_chat_file, tiny_prompt_file, tmp_path):
+    """eval.auto_draft_length: each in-loop eval.json drafts the chain length that costs.auto_draft_length chose,
+    and says what it measured."""
+    import json
+
+    from draftlab.config import load_config
+    from draftlab.train import main
+
+    out = tmp_path / "run"
+    main(load_config(["recipe=eagle_head", f"target.path={tiny_target_dir}", f"data.train={tiny_chat_file}",
+                      f"data.eval_prompts={tiny_prompt_file}", f"out_dir={out}", "train.max_steps=2", "eval.every=2",
+                      "eval.num_prompts=2", "eval.max_new_tokens=12", "eval.auto_draft_length=true",
+                      "eval.max_draft_length=3", "eval.calibration_prompts=1", "train.batch_size=2",
+                      "train.grad_accum=1", "train.warmup_steps=0", "data.max_length=96", "tracking=none",
+                      "train.keep_last=0"]))
+    report = json.loads((out / "step_2" / "eval.json").read_text())
+    shape = report["draft_shape"]
+    assert 1 <= report["chosen_draft_length"] <= 3 and report["tree"]["draft_length"] == report["chosen_draft_length"]
+    assert set(shape["cost_model"]) == {"1", "2", "3"} and shape["calibration_prompts"] == 1
+    assert report["lossless"] and 1.0 <= report["acceptance_length"] <= report["chosen_draft_length"] + 1
