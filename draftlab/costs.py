@@ -50,13 +50,7 @@ def _timed_interleaved(fns: dict, repeats: int) -> dict:
 
 def _timed(fn, repeats: int) -> float:
     """Median wall-clock seconds of fn() over `repeats` calls, after one untimed call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return _median(times)
+    return _timed_interleaved({0: fn}, repeats)[0]
 
 
 @torch.inference_mode()
