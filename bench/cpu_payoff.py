@@ -214,7 +214,8 @@ def stage_eval(args) -> list[dict]:
     import torch
 
     from draftlab import costs
-    from draftlab.checkpoint import load_drafter, resolve_checkpoint
+    from draftlab.checkpoint import resolve_checkpoint
+    from draftlab.drafters import load_drafter
     from draftlab.data import encode_prompt, load_prompts
     from draftlab.evaluator import evaluate_side_by_side
     from draftlab.proposers import LookupFirstProposer, PromptLookupProposer

@@ -437,7 +437,7 @@ def target_signature(target) -> tuple[int, int]:
 
 
 def evaluate_all(args, target, prompt_sets: list[dict], trained: dict, load: dict) -> list[dict]:
-    from draftlab.checkpoint import load_drafter
+    from draftlab.drafters import load_drafter
     from draftlab.proposers import PromptLookupProposer
     from draftlab.target import load_target
     from draftlab.trees import TreeSpec

@@ -57,8 +57,8 @@ def draft_vocabulary(tokenizer, answers: str, size: int, vocab_size: int) -> tup
 
 def build_proposers(target, tokenizer, kinds: list[str], ids: list[int], medusa_heads: int) -> dict:
     """{kind: {"full": proposer, "reduced": proposer}}, each variant built from the same seed."""
-    from draftlab.drafters.acceptance import _DEFAULTS as ACCEPTANCE_DEFAULTS
-    from draftlab.drafters.acceptance import AcceptanceHead
+    from draftlab.drafters.acceptance import AcceptanceConfig, AcceptanceHead
+    from draftlab.drafters.options import settings as config_settings
     from draftlab.drafters.eagle import EagleHead
     from draftlab.drafters.eagle3 import EagleHead3
     from draftlab.drafters.medusa import MedusaHeads
@@ -79,7 +79,7 @@ def build_proposers(target, tokenizer, kinds: list[str], ids: list[int], medusa_
             small.draft_head.set_vocab(ids)
         if kind == "small_lm":
             return small.proposer(target)
-        settings = {**ACCEPTANCE_DEFAULTS, "base": "(in memory: the bench's small_lm)"}
+        settings = {**config_settings(AcceptanceConfig), "base": "(in memory: the bench's small_lm)"}
         return AcceptanceHead(target, small, settings).eval().proposer(target, adaptive_threshold=1.0)
 
     return {kind: {"full": build(kind, False), "reduced": build(kind, True)} for kind in kinds}

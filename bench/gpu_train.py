@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"train.batch_size={args.batch_size}", "train.grad_accum=1",
                         f"data.max_length={args.max_length}",
                         "train.mixed_precision=bf16", "train.warmup_steps=0", "train.schedule=constant",
-                        "drafter.feature_noise=0.0", "data.regenerate_from=''",
+                        *(["drafter.feature_noise=0.0"] if kind == "eagle" else []), "data.regenerate_from=''",
                         f"train.bucketed={str(args.bucketed).lower()}", *KIND_OVERRIDES.get(kind, [])]
                 run = [*base, f"out_dir={out}", f"train.max_steps={args.steps}",
                        f"train.save_every={max(1, args.steps // 2)}"]

@@ -81,7 +81,7 @@ def _steps(label: str) -> list[Path]:
 def cmd_eval(args) -> None:
     import torch
 
-    from draftlab.checkpoint import load_drafter
+    from draftlab.drafters import load_drafter
     from draftlab.data import encode_prompt, load_prompts
     from draftlab.evaluator import evaluate, run_baseline
     from draftlab.target import load_target

@@ -89,7 +89,8 @@ def cmd_train(args) -> None:
                 "train.grad_accum=1", f"train.lr={args.lr}", f"train.warmup_steps={steps // 10}",
                 "train.schedule=cosine", f"train.save_every={steps}", f"train.log_every={max(1, steps // 20)}",
                 "train.keep_last=0", "eval.every=0", "tracking=jsonl", f"seed={args.seed}",
-                f"train.num_threads={args.threads}", f"drafter.draft_vocab_size={vocab}", "train.resume=auto",
+                f"train.num_threads={args.threads}", "train.resume=auto",
+                *([f"drafter.draft_vocab_size={vocab}"] if kind != "acceptance" else []),
                 f"out_dir={out}", *extra]
         if kind == "acceptance":
             over.append(f"drafter.base={run_dir('small_lm', 0)}")
@@ -127,7 +128,7 @@ def reduced_vocab(target, tokenizer, size: int) -> list[int]:
 def cmd_eval(args) -> None:
     import torch
 
-    from draftlab.checkpoint import load_drafter
+    from draftlab.drafters import load_drafter
     from draftlab.data import encode_prompt, load_prompts
     from draftlab.evaluator import evaluate_side_by_side, load_average
     from draftlab.target import load_target

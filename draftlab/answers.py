@@ -13,7 +13,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from draftlab.checkpoint import describe_disk_full, is_disk_full
+from draftlab.errors import describe_disk_full, is_disk_full
 from draftlab.data import DataError, Prompt, encode_prompt
 from draftlab.runlock import FolderLock
 

@@ -7,7 +7,6 @@ crash while saving leaves the previous checkpoint intact.
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -19,30 +18,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftlab.errors import CheckpointError, DiskFullError, is_disk_full
+
 CONFIG_NAME = "drafter_config.json"
 WEIGHTS_NAME = "model.safetensors"
 STATE_NAME = "trainer_state.pt"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message says which file and why."""
-
-
-class DiskFullError(CheckpointError):
-    """The disk (or quota) filled up while writing; the message says what was cleaned up and how to continue."""
-
-
-def is_disk_full(e: BaseException) -> bool:
-    """An OSError for a full disk or an exhausted quota, or a DiskFullError raised for one."""
-    return isinstance(e, DiskFullError) or (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
-
-
-def describe_disk_full(e: BaseException) -> str:
-    """'no space left on device writing FILE' for messages (a DiskFullError's own message says what it wrote)."""
-    if isinstance(e, DiskFullError):
-        return str(e)
-    reason = "disk quota exceeded" if e.errno == errno.EDQUOT else "no space left on device"
-    return reason + (f" writing {e.filename}" if getattr(e, "filename", None) else "")
 
 
 def intact_steps_text(out_dir: str | Path) -> str:
@@ -195,23 +175,23 @@ def read_drafter_config(folder: str | Path) -> dict:
     return config
 
 
-def load_drafter(folder: str | Path, target) -> torch.nn.Module:
-    """Rebuild a drafter from its config and the target, then load its trainable weights (strict)."""
-    from draftlab.drafters import DRAFTERS
+def restore_drafter(folder: str | Path, target, kinds: dict) -> torch.nn.Module:
+    """Rebuild a drafter from its config and the target, then load its trainable weights (strict).
+    kinds: the drafter classes it may be, by kind (draftlab.drafters.load_drafter passes every kind)."""
     from draftlab.target import target_fingerprint
 
     folder = resolve_checkpoint(folder)
     config = read_drafter_config(folder)
     kind = config.get("kind")
-    if kind not in DRAFTERS:
-        raise CheckpointError(f"{folder / CONFIG_NAME} names drafter kind '{kind}': known kinds are {', '.join(DRAFTERS)}")
+    if kind not in kinds:
+        raise CheckpointError(f"{folder / CONFIG_NAME} names drafter kind '{kind}': expected {', '.join(kinds)}")
     saved = config.get("target") or {}
     current = target_fingerprint(target, None)
     for key in ("vocab_size", "hidden_size"):
         if key in saved and saved[key] != current.get(key):
             raise CheckpointError(f"checkpoint {folder} was trained for a target with {key}={saved[key]}, "
                                   f"but this target has {key}={current.get(key)}: pass the matching --target")
-    drafter = DRAFTERS[kind].from_config({**config, "folder": str(folder)}, target)  # folder: relative paths
+    drafter = kinds[kind].from_config({**config, "folder": str(folder)}, target)  # folder: relative paths
     try:
         weights = load_file(str(folder / WEIGHTS_NAME))
     except FileNotFoundError:

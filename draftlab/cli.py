@@ -4,6 +4,7 @@
     draftlab eval --checkpoint DIR --prompts FILE --out REPORT.json [options]
     draftlab eval --proposer prompt_lookup --target PATH --prompts FILE --out REPORT.json
     draftlab recipes                                 list the recipes
+    draftlab recipes --show NAME [key=value ...]     print a recipe's resolved config
 """
 from __future__ import annotations
 
@@ -11,52 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-
-def user_errors() -> tuple[type[BaseException], ...]:
-    """Exception types whose message is meant for the user: printed as one line, exit code 2."""
-    from draftlab.checkpoint import CheckpointError
-    from draftlab.config import ConfigError
-    from draftlab.runlock import LockError
-
-    errors: list[type[BaseException]] = [ConfigError, CheckpointError, LockError]
-    for module, name in (("draftlab.data", "DataError"), ("draftlab.target", "TargetError"),
-                         ("draftlab.hub", "HubError")):
-        try:
-            errors.append(getattr(__import__(module, fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errors)
-
-
-def run_guarded(fn) -> int:
-    """Run fn(); user errors (and a full disk anywhere) become one line on stderr and exit code 2, Ctrl-C exit
-    code 130."""
-    from draftlab.checkpoint import describe_disk_full, is_disk_full
-
-    try:
-        fn()
-    except user_errors() as e:
-        _end_progress_bars()
-        print(f"draftlab: error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        if not is_disk_full(e):
-            raise
-        _end_progress_bars()
-        print(f"draftlab: error: {describe_disk_full(e)}: free some space and run the command again", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("draftlab: interrupted", file=sys.stderr)
-        return 130
-    return 0
-
-
-def _end_progress_bars() -> None:
-    """Close the progress bars an error interrupted, so that its line starts on a line of its own."""
-    from tqdm import tqdm
-
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
+from draftlab.errors import OneLineParser, run_guarded
 
 
 def eval_parser() -> argparse.ArgumentParser:
@@ -111,24 +67,6 @@ def eval_parser() -> argparse.ArgumentParser:
     return p
 
 
-def checkpoint_target(folder: Path) -> str:
-    """The target path a checkpoint was trained with: its run's config.yaml, else its drafter config."""
-    from omegaconf import OmegaConf
-
-    from draftlab.checkpoint import CheckpointError, read_drafter_config
-    from draftlab.config import load_yaml
-
-    for cfg_file in (folder / "config.yaml", folder.parent / "config.yaml"):
-        if cfg_file.is_file():
-            path = OmegaConf.select(load_yaml(cfg_file, "the run's config"), "target.path")
-            if path:
-                return str(path)
-    name = (read_drafter_config(folder).get("target") or {}).get("name_or_path")
-    if not name:
-        raise CheckpointError(f"cannot tell which target {folder} belongs to: pass --target PATH")
-    return name
-
-
 def check_eval_args(args) -> None:
     """Every numeric option in range, and no draft longer than the generation, before anything loads."""
     from draftlab.config import SEEDS, ConfigError, range_problem
@@ -152,13 +90,6 @@ def check_eval_args(args) -> None:
                               "a round cannot draft more tokens than are generated")
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line (what, and where to read more), exit code 2."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
 def parse_lengths(text: str) -> list[int]:
     """--fixed-k '2,4,6' -> [2, 4, 6]; anything but positive integers is a ConfigError."""
     from draftlab.config import ConfigError
@@ -170,12 +101,12 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def cmd_eval(argv: list[str]) -> None:
-    import json
-
-    from draftlab.checkpoint import load_drafter, resolve_checkpoint
+    from draftlab.checkpoint import resolve_checkpoint
+    from draftlab.drafters import load_drafter
     from draftlab.config import ConfigError
     from draftlab.data import encode_prompt, load_prompts
     from draftlab.evaluator import evaluate
+    from draftlab.hub import checkpoint_target
     from draftlab.report import report_markdown, save_plots, summary_line, write_report
     from draftlab.target import load_target
     from draftlab.train import eos_ids
@@ -363,6 +294,23 @@ def conversations_for_turns(prompts, turns: str, target, tokenizer, max_new_toke
     return first + second, [f"{c}/turn1" if c else "turn1" for c in cats] + second_cats
 
 
+def cmd_recipes(argv: list[str]) -> None:
+    """`draftlab recipes`: the recipe names; `--show NAME [key=value ...]`: that recipe's resolved config."""
+    from draftlab.config import available_recipes, compose, to_yaml
+
+    p = OneLineParser(prog="draftlab recipes", description="List the recipes, or print one's resolved config.")
+    p.add_argument("--show", metavar="NAME", help="print the config recipe NAME resolves to (defaults, the recipe "
+                   "and its bases, then any key=value overrides given after it)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    args = p.parse_args(argv)
+    if not args.show:
+        if args.overrides:
+            p.error("key=value overrides go with --show NAME")
+        print("\n".join(available_recipes()))
+        return
+    print(to_yaml(compose([f"recipe={args.show}", *args.overrides])), end="")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = __doc__.strip()
@@ -381,10 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_guarded(lambda: cmd_push(rest))
     if command == "recipes":
-        from draftlab.config import available_recipes
-
-        print("\n".join(available_recipes()))
-        return 0
+        return run_guarded(lambda: cmd_recipes(rest))
     print(f"draftlab: error: unknown command '{command}': use train, eval, push or recipes\n\n{usage}", file=sys.stderr)
     return 2
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-
-class ConfigError(ValueError):
-    """A configuration problem a user can fix; the message is one line."""
+from draftlab.drafters import CONFIGS
+from draftlab.drafters.options import DrafterConfig
+from draftlab.errors import ConfigError
 
 
 @dataclass
@@ -57,104 +58,6 @@ class DataConfig:
     """Answer length limit when regenerating."""
     regenerate_batch_size: int = 16
     """Prompts per generate batch when regenerating."""
-
-
-@dataclass
-class DrafterConfig:
-    kind: str = "eagle"
-    """Drafter kind: one of draftlab.drafters.DRAFTERS (eagle, eagle3, medusa, medusa2, small_lm, acceptance)."""
-    num_layers: int = 1
-    """Decoder layers in the head (eagle) / in the small LM (small_lm)."""
-    feature_noise: float = 0.2
-    """EAGLE: std of the uniform noise added to target features during training (0 = off)."""
-    reg_weight: float = 1.0
-    """EAGLE: weight of the feature-regression (SmoothL1) loss."""
-    cls_weight: float = 0.1
-    """EAGLE: weight of the soft cross-entropy against the target distribution."""
-    fc_bias: bool = True
-    """EAGLE: bias in the fusion layer."""
-    aux_layers: list[int] = field(default_factory=list)
-    """EAGLE-3: target hidden-state indices the head fuses ([] = [2, L//2, L-3] for an L-layer target)."""
-    ttt_steps: int = 7
-    """EAGLE-3: training-time-test steps (the head is fed its own outputs this many times per position)."""
-    ttt_decay: float = 0.8
-    """EAGLE-3: loss weight decay^j of training-time-test step j."""
-    draft_vocab_size: int = 0
-    """eagle, eagle3, medusa, small_lm: draft vocabulary = the N most frequent assistant tokens of data.train; the
-    drafter proposes only those, so a draft step skips most of the LM head (0 = the full vocabulary, -1 = auto:
-    32000, or every distinct assistant token when the data holds fewer; an explicit N above that count is an
-    error). Acceptance heads use their base drafter's."""
-    init_from_target: bool = False
-    """eagle, eagle3: start the head's decoder layer from the target's last decoder layer (data-efficient start)."""
-    harmonized_steps: int = 1
-    """eagle: HASS harmonized context alignment: forwards per batch, step j fed the head's own step j-1 features
-    (as a draft node at depth j+1 sees them); 1 = plain EAGLE training (method_specs 2.4)."""
-    topk_weight: float = 0.0
-    """eagle: weight of HASS's top-K distillation term (the soft CE on the target's 10 most likely tokens)."""
-    medusa_heads: int = 4
-    """Medusa: number of heads (head k, 1-based, predicts token t+1+k)."""
-    medusa_layers: int = 1
-    """Medusa: residual blocks per head."""
-    medusa_decay: float = 0.8
-    """Medusa: head k's loss weight is medusa_weight * medusa_decay^k (k = 1..K)."""
-    medusa_weight: float = 0.2
-    """Medusa: lambda_0, the coefficient of the heads' loss."""
-    medusa_tree_nodes: int = 63
-    """Medusa: nodes of the static tree built from the per-head accuracies measured in training."""
-    lora_r: int = 0
-    """LoRA rank: Medusa-2 adapters on the target (>= 1), small_lm adapters (0 = none)."""
-    lora_alpha: int = 0
-    """LoRA alpha (0 = 2 * lora_r)."""
-    lora_dropout: float = 0.0
-    """Medusa-2: dropout on the LoRA path."""
-    kl_weight: float = 1.0
-    """Medusa-2: weight of KL(original target || adapted target), which keeps the served model close to the original."""
-    hidden_size: int = 0
-    """small_lm: width of a drafter built from the target's config (0 = the target's)."""
-    num_attention_heads: int = 0
-    """small_lm: attention heads (0 = the target's at the target's width, else hidden_size // 64)."""
-    num_key_value_heads: int = 0
-    """small_lm: key/value heads (0 = the target's, at most num_attention_heads)."""
-    intermediate_size: int = 0
-    """small_lm: MLP width (0 = the target's at the target's width, else 4 x hidden_size)."""
-    share_embeddings: bool = True
-    """small_lm built from the target's config: copy the target's input embeddings and LM head in (needs the target's width)."""
-    train_shared_embeddings: bool = False
-    """small_lm: keep the copied embeddings / LM head trainable and saved (default: frozen, restored from the target)."""
-    init_from: str = ""
-    """small_lm: start from this local pretrained model folder (the target's tokenizer) instead of the target's config."""
-    target_layers: list[int] = field(default_factory=list)
-    """small_lm: build the drafter from these decoder layers of the target (indices; negative count from the end),
-    with its embeddings, final norm and LM head: the self-speculative / layer-skip start. Sets the depth
-    (num_layers is then ignored) and needs the target's width (hidden_size 0)."""
-    distill_mode: str = "offline_blackbox"
-    """small_lm: offline_blackbox, offline_whitebox, online_whitebox, online_blackbox."""
-    distill_loss: str = "fkl"
-    """small_lm white-box divergence: fkl, rkl, jsd, tvd."""
-    distill_temperature: float = 1.0
-    """small_lm white-box: temperature applied to both student and teacher logits."""
-    jsd_beta: float = 0.5
-    """small_lm: beta of the generalised JSD (beta*KL(p||M) + (1-beta)*KL(q||M), M = beta*p + (1-beta)*q)."""
-    student_ratio: float = 0.5
-    """small_lm online_whitebox: probability that a step trains on the student's own continuations."""
-    rollout_tokens: int = 64
-    """small_lm online modes: tokens generated per prompt by the student (online_whitebox) or the target (online_blackbox)."""
-    teacher_topk: int = 20
-    """small_lm offline_whitebox: the target's top-k log-probs (plus tail mass) read from data.store."""
-    base: str = ""
-    """acceptance: the frozen small_lm drafter the head judges (run folder = its best step, or a step_N folder)."""
-    acceptance_layers: int = 3
-    """acceptance: residual blocks before the Linear(d -> 1) acceptance logit (SpecDec++: 3)."""
-    mix_ratio: float = 0.15
-    """acceptance: share of target tokens (unlabelled) mixed into the head's draft-token input sequence."""
-    reject_weight: float = 6.0
-    """acceptance: BCE weight of the rejected class (SpecDec++: 6, to balance the rarer rejections)."""
-    acceptance_label: str = "sampled"
-    """acceptance: sampled (Y ~ q, label min(1, p/q), for sampled verification) | greedy (Y = argmax q, label 1[argmax p = Y])."""
-    adaptive_threshold: float = 0.3
-    """acceptance: stop drafting when 1 - prod(predicted acceptance) exceeds this (1 = never: fixed-k)."""
-    min_draft: int = 1
-    """acceptance: fewest draft tokens per round before adaptive stopping may stop (at least 1)."""
 
 
 @dataclass
@@ -265,7 +168,8 @@ class RunConfig:
     """Comma-separated trackers: none, jsonl, tensorboard, wandb."""
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    drafter: DrafterConfig = field(default_factory=CONFIGS["eagle"])
+    """The drafter's keys: those of drafter.kind's config (EagleConfig in drafters/eagle.py, ...)."""
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     hub: HubConfig = field(default_factory=HubConfig)
@@ -327,6 +231,23 @@ def range_problem(name: str, value, interval: str) -> str | None:
     else:
         words = f"lie in {interval[0]}{show(low)}, {show(high)}{interval[-1]}"
     return f"{name} is {value}: it must {words}"
+
+
+# ORG/NAME as the Hub accepts it: each part 1-96 of A-Z a-z 0-9 _ . -, not starting or ending with '.' or '-'
+_REPO_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+REPO_ID_RE = re.compile(rf"^{_REPO_PART}/{_REPO_PART}$")
+
+
+def repo_id_problem(repo_id: str, option: str = "--repo-id") -> str | None:
+    """Why the Hub would reject `repo_id` as a model repository id (one line), or None when it is valid."""
+    kind = repo_id.split("/", 1)[0] if repo_id.count("/") == 2 else None
+    if kind in ("datasets", "spaces"):
+        return (f"{option} {repo_id} names a {kind[:-1]} repository: draftlab pushes model repositories, "
+                f"pass ORG/NAME ({repo_id.split('/', 1)[1]})")
+    if not REPO_ID_RE.match(repo_id or "") or "--" in repo_id or ".." in repo_id or repo_id.endswith(".git"):
+        return (f"{option} {repo_id!r} is not a Hub model id: use ORG/NAME, each part 1-96 letters, digits, '-', "
+                "'_' or '.', not starting or ending with '-' or '.', without '--', '..' or a '.git' ending")
+    return None
 
 
 def recipes_dir() -> Path:
@@ -391,7 +312,7 @@ def load_yaml(path: str | Path, what: str):
 def _check_sections(layer: DictConfig, origin: str, section: str = "") -> None:
     """A section (target, data, train, ...) must be given keys, not a value: `train=3` or an empty `train:`
     in a recipe would otherwise replace the whole section."""
-    for f in fields(_section_class(section)):
+    for f in fields(_section_class(section, "eagle")):
         if not (is_dataclass(f.default_factory) and f.name in layer):
             continue
         key = ".".join(filter(None, [section, f.name]))
@@ -403,21 +324,29 @@ def _check_sections(layer: DictConfig, origin: str, section: str = "") -> None:
         _check_sections(node, origin, key)
 
 
-def _section_class(section: str):
-    """The dataclass behind a dotted section name ('' = RunConfig)."""
+def _section_class(section: str, kind: str):
+    """The dataclass behind a dotted section name ('' = RunConfig; drafter = drafter.kind's config)."""
+    if section == "drafter":
+        return CONFIGS[kind]
     node: Any = RunConfig
     for part in [p for p in section.split(".") if p]:
         node = {f.name: f for f in fields(node)}[part].default_factory
     return node
 
 
-def _describe_key_error(key: str) -> str:
-    """One line naming the bad key, a close match and the valid keys of its section."""
+def _describe_key_error(key: str, kind: str) -> str:
+    """One line naming the bad key, a close match and the valid keys of its section (of drafter.kind's config
+    for a drafter key, and which kinds the key belongs to)."""
     parts, section = key.split("."), ""
     for i, part in enumerate(parts):
-        schema = {f.name: f for f in fields(_section_class(section))}
+        schema = {f.name: f for f in fields(_section_class(section, kind))}
+        if part not in schema and section == "drafter":
+            owners = [k for k, c in CONFIGS.items() if part in {f.name for f in fields(c)}]
+            if owners:
+                return (f"config key '{key}' does not belong to drafter.kind={kind} (it is a key of "
+                        f"{', '.join(owners)}): the keys of {kind} are {', '.join(schema)}")
         if part not in schema:
-            where = section or "the top level"
+            where = f"drafter (drafter.kind={kind})" if section == "drafter" else section or "the top level"
             close = difflib.get_close_matches(part, list(schema), n=1)
             hint = f" (did you mean {'.'.join(filter(None, [section, close[0]]))}?)" if close else ""
             return f"unknown config key '{key}'{hint}: valid keys under {where} are {', '.join(schema)}"
@@ -428,10 +357,10 @@ def _describe_key_error(key: str) -> str:
     return f"invalid config key '{key}'"
 
 
-def _field_type_name(key: str) -> str:
+def _field_type_name(key: str, drafter_kind: str) -> str:
     section, _, name = key.rpartition(".")
     try:
-        kind = {f.name: f for f in fields(_section_class(section))}[name].type
+        kind = {f.name: f for f in fields(_section_class(section, drafter_kind))}[name].type
     except (KeyError, TypeError):
         return "another type"
     return kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
@@ -439,12 +368,13 @@ def _field_type_name(key: str) -> str:
 
 def _merge(base: DictConfig, layer: DictConfig, origin: str) -> DictConfig:
     _check_sections(layer, origin)
+    kind = base.drafter.kind
     try:
         return OmegaConf.merge(base, layer)
     except ConfigKeyError as e:
-        raise ConfigError(f"{origin}: {_describe_key_error(e.full_key)}") from None
+        raise ConfigError(f"{origin}: {_describe_key_error(e.full_key, kind)}") from None
     except ValidationError as e:
-        expected = _field_type_name(e.full_key)
+        expected = _field_type_name(e.full_key, kind)
         raise ConfigError(f"{origin}: config key '{e.full_key}' got {e.value!r}, expected {expected}") from None
     except OmegaConfBaseException as e:
         raise ConfigError(f"{origin}: {str(e).splitlines()[0]}") from None
@@ -466,45 +396,72 @@ def parse_overrides(args: list[str]) -> tuple[str, list[str]]:
 
 def load_config(args: list[str]) -> RunConfig:
     """Compose defaults, recipe and overrides into a validated RunConfig (an OmegaConf-backed object)."""
-    recipe, overrides = parse_overrides(args)
-    cfg = OmegaConf.structured(RunConfig)
-    if recipe:
-        cfg = _merge(cfg, _load_recipe(recipe), f"recipe {recipe}")
-        cfg.recipe = recipe
-    for item in overrides:
-        try:
-            layer = OmegaConf.from_dotlist([item])
-        except Exception as e:
-            raise ConfigError(f"cannot parse override '{item}': {str(e).splitlines()[0]}") from None
-        cfg = _merge(cfg, layer, f"override {item}")
+    cfg = compose(args)
     validate(cfg)
     return cfg
 
 
-def validate(cfg) -> None:
-    """Choices and ranges that types alone do not catch."""
-    from draftlab.drafters import DRAFTERS
+def compose(args: list[str]) -> RunConfig:
+    """Defaults, recipe and overrides merged, keys and types checked, but not yet validated as a runnable
+    config (`draftlab recipes --show` prints this). The drafter section is the config of the drafter.kind that
+    the recipe and overrides end with, so a key of another kind is an error."""
+    recipe, overrides = parse_overrides(args)
+    layers = [(_load_recipe(recipe), f"recipe {recipe}")] if recipe else []
+    for item in overrides:
+        try:
+            layers.append((OmegaConf.from_dotlist([item]), f"override {item}"))
+        except Exception as e:
+            raise ConfigError(f"cannot parse override '{item}': {str(e).splitlines()[0]}") from None
+    cfg = structured(_chosen_kind(layers))
+    for layer, origin in layers:
+        cfg = _merge(cfg, layer, origin)
+    if recipe:
+        cfg.recipe = recipe
+    return cfg
 
+
+def structured(kind: str) -> RunConfig:
+    """The defaults, with drafter.kind's config as the drafter section."""
+    cfg = OmegaConf.structured(RunConfig)
+    cfg.drafter = CONFIGS[kind]()
+    return cfg
+
+
+def _chosen_kind(layers: list[tuple[DictConfig, str]]) -> str:
+    """drafter.kind as the last layer that sets it says (default eagle), checked against the registry."""
+    kind, origin = "eagle", "the default"
+    for layer, where in layers:
+        node = layer.get("drafter") if isinstance(layer, DictConfig) else None
+        if isinstance(node, DictConfig) and node.get("kind") is not None:
+            kind, origin = node.get("kind"), where
+    if kind not in CONFIGS:
+        raise ConfigError(f"{origin}: config key 'drafter.kind' is '{kind}': choose one of {', '.join(CONFIGS)}")
+    return kind
+
+
+def validate(cfg) -> None:
+    """Choices and ranges that types alone do not catch (drafter keys: those drafter.kind has)."""
     for key, options in CHOICES.items():
         value = OmegaConf.select(cfg, key)
+        if value is None and key.startswith("drafter."):
+            continue
         if value not in options:
             raise ConfigError(f"config key '{key}' is '{value}': choose one of {', '.join(options)}")
-    if cfg.drafter.kind not in DRAFTERS:
-        raise ConfigError(f"config key 'drafter.kind' is '{cfg.drafter.kind}': choose one of {', '.join(DRAFTERS)}")
     for tracker in tracking_list(cfg):
         if tracker not in TRACKERS:
             raise ConfigError(f"config key 'tracking' names '{tracker}': choose from {', '.join(TRACKERS)} "
                               "(comma-separated for several)")
     for key, interval in RANGES.items():
-        problem = range_problem(f"config key '{key}'", OmegaConf.select(cfg, key), interval)
+        value = OmegaConf.select(cfg, key)
+        if value is None and key.startswith("drafter."):
+            continue
+        problem = range_problem(f"config key '{key}'", value, interval)
         if problem:
             raise ConfigError(problem)
     if cfg.drafter.kind == "medusa2" and cfg.drafter.lora_r < 1:
         raise ConfigError(f"config key 'drafter.lora_r' is {cfg.drafter.lora_r}: drafter.kind=medusa2 trains LoRA "
                           "adapters on the target, so it must be at least 1 (e.g. drafter.lora_r=32)")
     if cfg.hub.repo_id:
-        from draftlab.hub import repo_id_problem
-
         problem = repo_id_problem(cfg.hub.repo_id, "config key hub.repo_id")
         if problem:
             raise ConfigError(problem)
@@ -535,6 +492,13 @@ def to_yaml(cfg) -> str:
 
 
 def load_saved(path: str | Path) -> RunConfig:
-    """A run's saved config.yaml, checked against the current schema."""
-    cfg = OmegaConf.structured(RunConfig)
-    return _merge(cfg, load_yaml(path, "saved config"), str(path))
+    """A run's saved config.yaml, checked against the current schema. Runs saved before the drafter section was
+    per kind hold every kind's keys there: those not of its kind are dropped."""
+    saved = load_yaml(path, "saved config")
+    kind = _chosen_kind([(saved, str(path))])
+    drafter = saved.get("drafter") if isinstance(saved, DictConfig) else None
+    if isinstance(drafter, DictConfig):
+        own = {f.name for f in fields(CONFIGS[kind])}
+        for key in [k for k in drafter if k not in own]:
+            drafter.pop(key)
+    return _merge(structured(kind), saved, str(path))

@@ -21,13 +21,11 @@ from typing import Iterator
 
 import torch
 
+from draftlab.errors import DataError
+
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
          "chatgpt": "assistant"}
 RESPONSE_KEYS = ("response", "completion", "output")
-
-
-class DataError(ValueError):
-    """Data that cannot be used; the message names the file (and line) and says how to fix it."""
 
 
 class RowError(ValueError):

@@ -27,22 +27,32 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftlab import checkpoint as ckpt
+from draftlab import model_card
+from draftlab.config import REPO_ID_RE, load_yaml, repo_id_problem
+from draftlab.drafters import load_drafter
+from draftlab.errors import HubError, OneLineParser, describe_disk_full, is_disk_full
+from draftlab.model_card import MARKER, NATIVE_DIR, REPORTS_DIR
 
-NATIVE_DIR = "draftlab"          # the draftlab checkpoint inside an export
-MARKER = "export.json"           # what was exported, for re-rendering the card and for pushing an export as is
-REPORTS_DIR = "eval_reports"     # extra `--eval` reports, inside NATIVE_DIR
-# ORG/NAME as the Hub accepts it: each part 1-96 of A-Z a-z 0-9 _ . -, not starting or ending with '.' or '-'
-_REPO_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
-REPO_ID_RE = re.compile(rf"^{_REPO_PART}/{_REPO_PART}$")
 SPECULATORS_VERSION = "0.9.0"    # the speculators release whose config classes the EAGLE-3 export was checked with
-
-
-class HubError(Exception):
-    """Export or upload failed; the message is one line for the user (never containing the token)."""
 
 
 # ----------------------------------------------------------------------------------------------------------
 # the checkpoint being exported
+
+
+def checkpoint_target(folder: Path) -> str:
+    """The target path a checkpoint was trained with: its run's config.yaml, else its drafter config."""
+    from omegaconf import OmegaConf
+
+    for cfg_file in (folder / "config.yaml", folder.parent / "config.yaml"):
+        if cfg_file.is_file():
+            path = OmegaConf.select(load_yaml(cfg_file, "the run's config"), "target.path")
+            if path:
+                return str(path)
+    name = (ckpt.read_drafter_config(folder).get("target") or {}).get("name_or_path")
+    if not name:
+        raise ckpt.CheckpointError(f"cannot tell which target {folder} belongs to: pass --target PATH")
+    return name
 
 
 class Source:
@@ -54,8 +64,6 @@ class Source:
         self.config = ckpt.read_drafter_config(folder)
         self.kind = self.config.get("kind")
         if target_path is None:
-            from draftlab.cli import checkpoint_target
-
             try:
                 target_path = checkpoint_target(folder)      # the run's target.path, else the drafter's record
             except ckpt.CheckpointError:
@@ -275,7 +283,7 @@ def export_medusa(src: Source, out: Path, meta: dict) -> dict:
     if src.kind == "medusa2":
         base = meta.get("repo_id") or str(Path(meta["export_dir"]).resolve())   # this folder, until pushed
         model, tokenizer = src.target(fresh=True)        # load_drafter installs the adapters in place
-        drafter = ckpt.load_drafter(src.folder, model)
+        drafter = load_drafter(src.folder, model)
         drafter.merge_adapters()
         unwrap_lora(model)
         model.save_pretrained(str(out))
@@ -316,7 +324,7 @@ def export_small_lm(src: Source, out: Path, meta: dict) -> dict:
     """A standard transformers folder (config, weights, generation config, tokenizer) that loads with
     AutoModelForCausalLM and drafts as `assistant_model`; written by the drafter's own export_pretrained."""
     model, tokenizer = src.target()
-    drafter = ckpt.load_drafter(src.folder, model)
+    drafter = load_drafter(src.folder, model)
     drafter.export_pretrained(out, tokenizer)
     add_legacy_keys(out)
     return {}
@@ -328,7 +336,7 @@ def export_acceptance(src: Source, out: Path, meta: dict) -> dict:
     model.safetensors: blocks.{i}.linear.*, out.* over the drafter's final-norm hidden state), and the base's
     draftlab checkpoint in draftlab/base/, which the exported drafter_config.json names."""
     model, tokenizer = src.target()
-    head = ckpt.load_drafter(src.folder, model)
+    head = load_drafter(src.folder, model)
     head.base.export_pretrained(out, tokenizer)
     add_legacy_keys(out)
     (out / "acceptance_head").mkdir()
@@ -369,10 +377,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str =
     fmt: "auto" (the kind's serving format), "draftlab" (native files and card only), or a format name that must
     match the kind. target/tokenizer: an already loaded target (else it is loaded from target_path or the run's
     config when an exporter needs it). The folder is written beside out_dir and renamed into place."""
-    from draftlab.model_card import read_report, write_card
-
     folder = ckpt.resolve_checkpoint(checkpoint)
-    reports = [read_report(p) for p in eval_reports]
+    reports = [model_card.read_report(p) for p in eval_reports]
     src = Source(folder, target, tokenizer, target_path, base_model)
     fmt = pick_format(src.kind, fmt)
     out = Path(out_dir)
@@ -400,11 +406,11 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str =
         meta["details"] = EXPORTERS[src.kind][1](src, tmp, meta) if fmt != "draftlab" else {}
         meta.pop("export_dir")                        # a local path, for exporters only
         (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
-        write_card(tmp)
+        model_card.write_card(tmp)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)        # nothing half-written is left behind
-        if ckpt.is_disk_full(e):
-            raise HubError(f"{ckpt.describe_disk_full(e)}: the partial export was removed and {out} (if any) is "
+        if is_disk_full(e):
+            raise HubError(f"{describe_disk_full(e)}: the partial export was removed and {out} (if any) is "
                            "unchanged; free space and export again") from None
         raise
     ckpt._replace(tmp, out)
@@ -434,18 +440,6 @@ def default_export_dir(checkpoint: str | Path, repo_id: str) -> Path:
 
 # ----------------------------------------------------------------------------------------------------------
 # upload
-
-
-def repo_id_problem(repo_id: str, option: str = "--repo-id") -> str | None:
-    """Why the Hub would reject `repo_id` as a model repository id (one line), or None when it is valid."""
-    kind = repo_id.split("/", 1)[0] if repo_id.count("/") == 2 else None
-    if kind in ("datasets", "spaces"):
-        return (f"{option} {repo_id} names a {kind[:-1]} repository: draftlab pushes model repositories, "
-                f"pass ORG/NAME ({repo_id.split('/', 1)[1]})")
-    if not REPO_ID_RE.match(repo_id or "") or "--" in repo_id or ".." in repo_id or repo_id.endswith(".git"):
-        return (f"{option} {repo_id!r} is not a Hub model id: use ORG/NAME, each part 1-96 letters, digits, '-', "
-                "'_' or '.', not starting or ending with '-' or '.', without '--', '..' or a '.git' ending")
-    return None
 
 
 def check_repo_id(repo_id: str, option: str = "--repo-id") -> None:
@@ -512,8 +506,6 @@ def upload(export: Path, repo_id: str, *, private: bool = False, revision: str |
     import huggingface_hub
     from huggingface_hub import HfApi, constants
 
-    from draftlab.model_card import commit_message_for
-
     endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
     retry = retry_command(export, repo_id, private, revision, commit_message)
     token = token or huggingface_hub.get_token()
@@ -526,7 +518,7 @@ def upload(export: Path, repo_id: str, *, private: bool = False, revision: str |
         if revision and revision != "main":
             api.create_branch(repo_id, branch=revision, exist_ok=True, repo_type="model")
         info = api.upload_folder(repo_id=repo_id, folder_path=str(export), revision=revision, repo_type="model",
-                                 commit_message=commit_message or commit_message_for(export))
+                                 commit_message=commit_message or model_card.commit_message_for(export))
     except Exception as e:
         message = describe_failure(e, repo_id, endpoint).replace(token, "***")
         raise HubError(f"{message}; the export is kept at {export}; retry: {retry}") from None
@@ -553,8 +545,6 @@ def push_checkpoint(checkpoint: str | Path, repo_id: str, *, private: bool = Fal
 
 def retarget_export(export: Path, repo_id: str) -> None:
     """Point an existing export at `repo_id`: the card's usage lines, and a Medusa-2 config naming itself."""
-    from draftlab.model_card import write_card
-
     meta = json.loads((export / MARKER).read_text())
     if meta.get("repo_id") == repo_id:
         return
@@ -563,7 +553,7 @@ def retarget_export(export: Path, repo_id: str) -> None:
     if meta.get("details", {}).get("merged_target"):
         config = json.loads((export / "config.json").read_text())
         (export / "config.json").write_text(json.dumps({**config, "base_model_name_or_path": repo_id}, indent=2))
-    write_card(export)
+    model_card.write_card(export)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -571,8 +561,6 @@ def retarget_export(export: Path, repo_id: str) -> None:
 
 
 def push_parser() -> argparse.ArgumentParser:
-    from draftlab.cli import OneLineParser
-
     p = OneLineParser(prog="draftlab push", description="Export a drafter for serving engines, with a "
                                 "model card of its measured acceptance length, and upload it to the Hub.")
     p.add_argument("checkpoint", help="run folder (its best step), step_N folder, or an export folder")

@@ -11,6 +11,12 @@ from pathlib import Path
 
 import yaml
 
+from draftlab.errors import HubError
+
+NATIVE_DIR = "draftlab"          # the draftlab checkpoint inside an export
+MARKER = "export.json"           # what was exported, for re-rendering the card and for pushing an export as is
+REPORTS_DIR = "eval_reports"     # extra `--eval` reports, inside NATIVE_DIR
+
 KIND_NAMES = {"eagle": "EAGLE-1/2 head (feature-level autoregressive draft head)",
               "eagle3": "EAGLE-3 head (multi-layer feature fusion, training-time test)",
               "medusa": "Medusa-1 heads", "medusa2": "Medusa-2 heads (trained jointly with LoRA on the target)",
@@ -24,8 +30,6 @@ PLOT_NAME = "acceptance.png"
 
 def write_card(folder: str | Path) -> Path:
     """Render README.md (and the acceptance plot) for the export in `folder`; returns the README path."""
-    from draftlab.hub import MARKER, NATIVE_DIR, REPORTS_DIR
-
     folder = Path(folder)
     meta = json.loads((folder / MARKER).read_text())
     native = folder / NATIVE_DIR
@@ -39,8 +43,6 @@ def write_card(folder: str | Path) -> Path:
 
 def read_report(path) -> tuple[str, dict]:
     """(path, report) of a `draftlab eval` report JSON, checked to be one."""
-    from draftlab.hub import HubError
-
     try:
         report = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -54,8 +56,6 @@ def read_report(path) -> tuple[str, dict]:
 
 def commit_message_for(export: Path) -> str:
     """Default commit message: kind, step, format and tau."""
-    from draftlab.hub import MARKER, NATIVE_DIR
-
     meta = json.loads((export / MARKER).read_text()) if (export / MARKER).is_file() else {}
     own = export / NATIVE_DIR / "eval.json"
     tau = json.loads(own.read_text()).get("acceptance_length") if own.is_file() else None

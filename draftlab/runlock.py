@@ -17,16 +17,14 @@ import sys
 import time
 from pathlib import Path
 
+from draftlab.errors import LockError
+
 try:
     import fcntl
 except ImportError:  # Windows
     fcntl = None
 
 LOCK_NAME = "draftlab.lock"  # inside a locked folder (run folder, feature store)
-
-
-class LockError(RuntimeError):
-    """Another process holds the lock; the message names it and says what to do."""
 
 
 def holder_text(info: dict | None) -> str:

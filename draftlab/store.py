@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from draftlab.checkpoint import describe_disk_full, is_disk_full
+from draftlab.errors import describe_disk_full, is_disk_full
 from draftlab.data import DataError
 from draftlab.runlock import LOCK_NAME, FolderLock
 

@@ -17,14 +17,12 @@ from pathlib import Path
 
 import torch
 
+from draftlab.errors import TargetError
+
 PACKAGE_PREFIX = "package:"
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
-
-
-class TargetError(ValueError):
-    """The target cannot be found or loaded; the message says what, where, and how to fix it."""
 
 
 # ----------------------------------------------------------------------------------------------------------

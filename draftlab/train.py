@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from draftlab import checkpoint as ckpt
 from draftlab import runtime
 from draftlab.config import ConfigError, load_config, to_yaml
+from draftlab.errors import DiskFullError, describe_disk_full, is_disk_full, run_guarded
 
 
 def main(cfg) -> dict:
@@ -47,10 +48,10 @@ def main(cfg) -> dict:
     lock = runtime.lock_run_folder(out_dir, accelerator)
     try:
         return train(cfg, out_dir, accelerator)
-    except (OSError, ckpt.DiskFullError) as e:
-        if not ckpt.is_disk_full(e):
+    except (OSError, DiskFullError) as e:
+        if not is_disk_full(e):
             raise
-        raise ckpt.DiskFullError(f"{ckpt.describe_disk_full(e)}; {ckpt.intact_steps_text(out_dir)}: free some space, "
+        raise DiskFullError(f"{describe_disk_full(e)}; {ckpt.intact_steps_text(out_dir)}: free some space, "
                                  "then continue the run with train.resume=auto (same arguments)") from None
     finally:
         if lock is not None:
@@ -497,8 +498,6 @@ def print_summary(summary: dict) -> None:
 def cli(argv: list[str] | None = None) -> int:
     """Entry point shared by `python draftlab/train.py`, `accelerate launch` and `draftlab train`; a first argument
     `--check` / `--check-config` only checks (see check())."""
-    from draftlab.cli import run_guarded
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--check"], ["--check-config"]):
         return run_guarded(lambda: check(load_config(argv[1:]), run_folder=argv[0] == "--check"))

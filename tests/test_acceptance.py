@@ -18,6 +18,7 @@ from draftlab.evaluator import (GenerationResult, evaluate, evaluate_adaptive, r
 from draftlab.report import build_report, calibration, report_markdown, save_plots, summary_line
 from draftlab.trees import TreeSpec
 from draftlab.verify import Sampling
+from draftlab.drafters import load_drafter
 
 GREEDY = Sampling()
 
@@ -178,7 +179,7 @@ def test_checkpoint_saves_only_the_head_and_reloads_the_base(tiny_target, head, 
     assert set(saved) == set(head.state_dict()) and all(k.startswith(("blocks.", "out.")) for k in saved)
     config = ckpt.read_drafter_config(folder)
     assert config["kind"] == "acceptance" and config["base"] == str(base_dir.resolve())
-    again = ckpt.load_drafter(tmp_path, tiny_target[0])
+    again = load_drafter(tmp_path, tiny_target[0])
     assert isinstance(again, AcceptanceHead) and again.base.kind == "small_lm"
     hidden = torch.randn(4, head.out.in_features)
     torch.testing.assert_close(again(hidden), head(hidden))
@@ -338,13 +339,9 @@ def test_eval_cli_auto_threshold_with_the_fixed_k1_control(tiny_target, tiny_tar
 
 def test_recipe_trains_and_evaluates_in_the_loop(tiny_target, tiny_target_dir, tiny_chat_file, tiny_prompt_file,
                                                  base_dir, tmp_path):
-    from draftlab.config import DrafterConfig, load_config
+    from draftlab.config import load_config
     from draftlab.train import main
 
-    needed = ("base", "acceptance_layers", "mix_ratio", "reject_weight", "adaptive_threshold", "min_draft",
-              "acceptance_label")
-    if not all(hasattr(DrafterConfig, name) for name in needed):
-        pytest.skip("config.DrafterConfig does not have the acceptance fields yet")
     out = tmp_path / "run"
     cfg = load_config(["recipe=acceptance_head", f"target.path={tiny_target_dir}", f"data.train={tiny_chat_file}",
                        f"data.eval_prompts={tiny_prompt_file}", f"out_dir={out}", f"drafter.base={base_dir}",
@@ -357,4 +354,4 @@ def test_recipe_trains_and_evaluates_in_the_loop(tiny_target, tiny_target_dir, t
     assert 1 <= report["mean_draft_length"] <= 4 and report["wasted_draft_tokens"] >= 0
     assert 0 <= report["calibration"]["ece"] <= 1
     assert (out / "step_4" / "calibration.png").stat().st_size > 0          # train.py's calibration hook
-    assert isinstance(ckpt.load_drafter(out, tiny_target[0]), AcceptanceHead)
+    assert isinstance(load_drafter(out, tiny_target[0]), AcceptanceHead)

@@ -15,9 +15,22 @@ import pytest
 from draftlab import cli
 from draftlab.config import RANGES, ConfigError, RunConfig, load_config
 from draftlab.data import ChatDataset, DataError, load_prompts, read_conversations
+from draftlab.drafters import CONFIGS
 
 ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ["recipe=eagle_head", "target.path=/x", "data.train=/x.jsonl", "data.eval_prompts=/p.jsonl"]
+
+
+def with_required(args: list[str]) -> list[str]:
+    """REQUIRED + args; a drafter key is set on a kind that has it (the first in CONFIGS), not on eagle_head."""
+    keys = [a.split("=", 1)[0] for a in args]
+    mine = [k.split(".", 1)[1] for k in keys if k.startswith("drafter.") and k != "drafter.kind"]
+    if "drafter.kind" in keys:
+        return [*REQUIRED[1:], *args]
+    if not mine:
+        return [*REQUIRED, *args]
+    kind = next(k for k, c in CONFIGS.items() if mine[0] in {f.name for f in fields(c)})
+    return [*REQUIRED[1:], f"drafter.kind={kind}", *(["drafter.base=/b"] if kind == "acceptance" else []), *args]
 
 
 def config_error(args: list[str]) -> str:
@@ -52,7 +65,7 @@ def config_error(args: list[str]) -> str:
     (["eval.calibration_prompts=0"], ["'eval.calibration_prompts' is 0", "at least 1"]),
 ])
 def test_config_values_out_of_range(args, words):
-    message = config_error([*REQUIRED, *args])
+    message = config_error(with_required(args))
     for word in words:
         assert word in message, (word, message)
 
@@ -60,6 +73,9 @@ def test_config_values_out_of_range(args, words):
 def _field_type(key: str):
     node = RunConfig
     *sections, name = key.split(".")
+    if sections == ["drafter"]:
+        return next({f.name: f for f in fields(c)}[name].type for c in CONFIGS.values()
+                    if name in {f.name for f in fields(c)})
     for part in sections:
         node = {f.name: f for f in fields(node)}[part].default_factory
     return {f.name: f for f in fields(node)}[name].type
@@ -72,7 +88,7 @@ def test_every_ranged_key_refuses_a_value_outside_its_range(key):
     low = float(interval[1:-1].split(",")[0])
     bad = low if interval[0] == "(" else low - 1
     value = int(bad) if _field_type(key) in ("int", int) else bad
-    message = config_error([*REQUIRED, f"{key}={value}"])
+    message = config_error(with_required([f"{key}={value}"]))
     assert f"'{key}' is {value}" in message
 
 

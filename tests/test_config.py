@@ -3,22 +3,86 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
-from draftlab.config import ConfigError, available_recipes, load_config
+from draftlab.config import ConfigError, available_recipes, load_config, load_saved
+from draftlab.drafters import CONFIGS
+from draftlab.drafters.options import settings
 
 ROOT = Path(__file__).resolve().parent.parent
-REQUIRED = ["target.path=/x", "data.train=/x.jsonl", "data.eval_prompts=/p.jsonl", "drafter.base=/b"]
+REQUIRED = ["target.path=/x", "data.train=/x.jsonl", "data.eval_prompts=/p.jsonl"]
 
 
 @pytest.mark.parametrize("recipe", available_recipes())
 def test_every_shipped_recipe_composes(recipe):
-    cfg = load_config([f"recipe={recipe}", *REQUIRED])
+    base = ["drafter.base=/b"] if recipe == "acceptance_head" else []
+    cfg = load_config([f"recipe={recipe}", *REQUIRED, *base])
     assert cfg.recipe == recipe
     assert cfg.train.max_steps >= 1
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_the_drafter_section_is_the_kinds_own_config(kind):
+    """drafter.kind selects its dataclass: the section holds that kind's keys, with its defaults, and nothing else;
+    the drafter reads the same defaults from it as from no config at all (defaults live once)."""
+    cfg = load_config([f"drafter.kind={kind}", *REQUIRED, *(["drafter.base=/b"] if kind == "acceptance" else [])])
+    assert OmegaConf.get_type(cfg.drafter) is CONFIGS[kind]
+    assert list(cfg.drafter) == [f.name for f in fields(CONFIGS[kind])]
+    assert settings(CONFIGS[kind], None) == settings(CONFIGS[kind], CONFIGS[kind]())
+
+
+@pytest.mark.parametrize("args, kind, owner", [
+    (["recipe=eagle_head", "drafter.ttt_steps=3"], "eagle", "eagle3"),
+    (["recipe=eagle3_head", "drafter.feature_noise=0"], "eagle3", "eagle"),
+    (["recipe=medusa_heads", "drafter.distill_mode=online_whitebox"], "medusa", "small_lm"),
+    (["recipe=distill_offline_blackbox", "drafter.medusa_heads=3"], "small_lm", "medusa"),
+    (["recipe=eagle_head", "drafter.base=/b"], "eagle", "acceptance"),
+])
+def test_a_key_of_another_kind_is_refused_with_the_kinds_keys(args, kind, owner):
+    with pytest.raises(ConfigError) as err:
+        load_config([*args, *REQUIRED])
+    message = str(err.value)
+    assert "\n" not in message and f"drafter.kind={kind}" in message and f"a key of {owner}" in message
+    assert ", ".join(f.name for f in fields(CONFIGS[kind])) in message  # the kind's valid keys
+
+
+def test_a_key_of_another_kind_stops_the_cli_before_any_model_loads(tmp_path):
+    """The target path does not exist: had the run got that far, the error would be about the target."""
+    proc = subprocess.run([sys.executable, str(ROOT / "draftlab" / "train.py"), "recipe=eagle_head",
+                           "drafter.ttt_steps=3", f"target.path={tmp_path / 'no_target'}", f"data.train={tmp_path}/x",
+                           f"out_dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "drafter.ttt_steps" in lines[0] and "drafter.kind=eagle" in lines[0], proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_recipes_show_prints_the_resolved_config():
+    proc = subprocess.run([sys.executable, "-m", "draftlab.cli", "recipes", "--show", "eagle3_head",
+                           "drafter.ttt_steps=2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    shown = OmegaConf.create(proc.stdout)
+    assert shown.recipe == "eagle3_head" and shown.drafter.kind == "eagle3" and shown.drafter.ttt_steps == 2
+    assert shown.train.max_steps == load_config(["recipe=eagle3_head", *REQUIRED]).train.max_steps
+    bad = subprocess.run([sys.executable, "-m", "draftlab.cli", "recipes", "--show", "eagle_head",
+                          "drafter.ttt_steps=2"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert bad.returncode == 2 and "drafter.ttt_steps" in bad.stderr
+
+
+def test_a_run_saved_with_every_kinds_keys_still_loads(tmp_path):
+    """Runs saved before the per-kind sections hold all kinds' keys under drafter: the other kinds' are dropped."""
+    cfg = load_config(["recipe=eagle_head", *REQUIRED, "drafter.num_layers=2"])
+    old = OmegaConf.to_container(cfg)
+    old["drafter"].update(ttt_steps=7, medusa_heads=4, base="", distill_mode="offline_blackbox")
+    path = tmp_path / "config.yaml"
+    path.write_text(OmegaConf.to_yaml(old))
+    again = load_saved(path)
+    assert OmegaConf.get_type(again.drafter) is CONFIGS["eagle"] and again.drafter.num_layers == 2
+    assert "ttt_steps" not in again.drafter
 
 
 def test_overrides_are_typed_and_win_over_the_recipe():

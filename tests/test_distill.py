@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from draftlab.drafters import load_drafter
 from draftlab.drafters.small_lm import SmallLM, continue_prompts, prompt_part
 
 MODES = ["offline_blackbox", "offline_whitebox", "online_whitebox", "online_blackbox"]
@@ -244,32 +245,12 @@ def test_dump_logits_store_is_the_offline_teacher(tiny_target, tiny_target_dir, 
 # the recipes, end to end through train.main (tiny target, a few steps)
 
 
-@pytest.fixture
-def small_lm_config(monkeypatch):
-    """Register small_lm and, while DrafterConfig lacks the small_lm fields, give the config schema a
-    subclass that has them (the defaults of drafters/small_lm.py); a no-op once config.py has them."""
-    from dataclasses import field, fields, make_dataclass
-
-    from draftlab import config
-    from draftlab.drafters import DRAFTERS
-    from draftlab.drafters.small_lm import _DEFAULTS
-
-    monkeypatch.setitem(DRAFTERS, "small_lm", SmallLM)
-    have = {f.name for f in fields(config.DrafterConfig)}
-    missing = [(k, type(v), field(default=v)) for k, v in _DEFAULTS.items() if k not in have]
-    if missing:
-        extended = make_dataclass("DrafterConfig", missing, bases=(config.DrafterConfig,))
-        monkeypatch.setattr(config, "DrafterConfig", extended)
-        monkeypatch.setattr(config.RunConfig.__dataclass_fields__["drafter"], "default_factory", extended)
-
-
 @pytest.mark.parametrize("recipe", ["distill_offline_blackbox", "distill_offline_whitebox", "distill_online_whitebox",
                                     "distill_online_blackbox", "distill_layer_skip"])
-def test_recipe_trains_and_is_scored_losslessly(small_lm_config, recipe, tiny_target, tiny_target_dir,
+def test_recipe_trains_and_is_scored_losslessly(recipe, tiny_target, tiny_target_dir,
                                                 tiny_prompt_file, tiny_chat_file, tmp_path):
     import json
 
-    from draftlab import checkpoint as ckpt
     from draftlab.config import load_config
     from draftlab.train import main
 
@@ -291,6 +272,6 @@ def test_recipe_trains_and_is_scored_losslessly(small_lm_config, recipe, tiny_ta
     if recipe == "distill_offline_whitebox":
         store = json.loads((tmp_path / "answers.jsonl.top20" / "manifest.json").read_text())
         assert store["complete"] and store["topk_logits"] == 20 and store["layers"] == []
-    drafter = ckpt.load_drafter(tmp_path / "run", tiny_target[0])
+    drafter = load_drafter(tmp_path / "run", tiny_target[0])
     mode = "offline_blackbox" if recipe == "distill_layer_skip" else recipe.removeprefix("distill_")
     assert drafter.kind == "small_lm" and drafter.settings["distill_mode"] == mode

@@ -176,9 +176,9 @@ def test_loss_weight_sums_to_world_over_a_step():
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_target):
-    from draftlab.config import DrafterConfig
     from draftlab.data import collate
     from draftlab.drafters import DRAFTERS
+    from draftlab.drafters.eagle import EagleConfig
     from draftlab.target import target_features
 
     target, tok = tiny_target
@@ -191,7 +191,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_target):
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        drafter = DRAFTERS["eagle"].from_target(target, DrafterConfig(feature_noise=0.0))
+        drafter = DRAFTERS["eagle"].from_target(target, EagleConfig(feature_noise=0.0))
         if checkpointing:
             assert runtime.enable_gradient_checkpointing(drafter) >= 1
         drafter.train()

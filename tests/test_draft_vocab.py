@@ -84,7 +84,8 @@ def test_reduced_vocabulary_stays_lossless_under_greedy(tiny_target, dataset, sp
 
 
 def test_checkpoint_keeps_the_vocabulary(tiny_target, dataset, tmp_path):
-    from draftlab.checkpoint import load_drafter, save_drafter
+    from draftlab.checkpoint import save_drafter
+    from draftlab.drafters import load_drafter
     from safetensors.torch import load_file
 
     model, _ = tiny_target

@@ -17,6 +17,7 @@ from draftlab.drafters.small_lm import SmallLM
 from draftlab.evaluator import speculative_generate, target_generate
 from draftlab.trees import TreeSpec
 from draftlab.verify import Sampling
+from draftlab.drafters import load_drafter
 
 SPECS = [TreeSpec(kind="chain", draft_length=4), TreeSpec(kind="dynamic", depth=3, top_k=3, total_tokens=10),
          TreeSpec(kind="static")]
@@ -128,7 +129,7 @@ def test_small_lm_checkpoint_keeps_the_vocabulary(tiny_target, dataset, tmp_path
     model, tok = tiny_target
     drafter = _small_lm(model, dataset)
     folder = ckpt.save_drafter(drafter, tmp_path / "step_1")
-    loaded = ckpt.load_drafter(folder, model).eval()
+    loaded = load_drafter(folder, model).eval()
     assert torch.equal(loaded.draft_head.draft_vocab, drafter.draft_head.draft_vocab)
     maps = load_file(str(folder / "d2t_t2d.safetensors"))
     assert torch.equal(maps["d2t"] + torch.arange(SIZE), drafter.draft_head.draft_vocab)
@@ -196,7 +197,7 @@ def test_medusa_training_masks_labels_outside_and_stays_lossless(tiny_target, da
 
     folder = ckpt.save_drafter(heads, tmp_path / "step_12")
     assert load_file(str(folder / ckpt.WEIGHTS_NAME))["heads.0.1.weight"].shape[0] == SIZE
-    loaded = ckpt.load_drafter(folder, model).eval()
+    loaded = load_drafter(folder, model).eval()
     assert torch.equal(loaded.draft_vocab, heads.draft_vocab)
     assert json.loads((folder / ckpt.CONFIG_NAME).read_text())["draft_vocab"] == heads.draft_vocab.tolist()
     with torch.no_grad():
@@ -241,7 +242,7 @@ def test_medusa2_reduced_vocabulary_is_lossless_against_the_adapted_target(tiny_
     _check_drafts(model, drafter.proposer(model), set(drafter.draft_vocab.tolist()), served)
     ckpt.save_drafter(drafter, tmp_path / "step_4")
     fresh = build_tiny_llama(tok).requires_grad_(False)
-    loaded = ckpt.load_drafter(tmp_path / "step_4", fresh).eval()
+    loaded = load_drafter(tmp_path / "step_4", fresh).eval()
     assert torch.equal(loaded.draft_vocab, drafter.draft_vocab)
     _check_drafts(fresh, loaded.proposer(fresh), set(drafter.draft_vocab.tolist()), served, SPECS[1:2])
 
@@ -266,7 +267,7 @@ def test_acceptance_drafts_with_its_base_vocabulary(tiny_target, reduced_base, r
     for threshold in (0.3, 1.0):
         _check_drafts(model, head.proposer(model, adaptive_threshold=threshold), allowed, references)
     ckpt.save_drafter(head, tmp_path / "step_1")
-    loaded = ckpt.load_drafter(tmp_path / "step_1", model)
+    loaded = load_drafter(tmp_path / "step_1", model)
     assert torch.equal(loaded.base.draft_head.draft_vocab, rows)
 
 
@@ -308,7 +309,8 @@ def test_recipes_train_evaluate_and_resume_with_a_draft_vocabulary(recipe, tiny_
             f"data.eval_prompts={tiny_prompt_file}", f"out_dir={out}", "data.regenerate_from=''",
             "eval.num_prompts=2", "eval.max_new_tokens=12", "eval.every=2", "eval.at_start=true",
             "train.batch_size=4", "train.grad_accum=1", "train.warmup_steps=0", "data.max_length=160",
-            "tracking=none", "drafter.num_layers=1", "drafter.medusa_tree_nodes=16", f"drafter.draft_vocab_size={SIZE}"]
+            "tracking=none", f"drafter.draft_vocab_size={SIZE}",
+            "drafter.medusa_tree_nodes=16" if recipe == "medusa_heads" else "drafter.num_layers=1"]
     main(load_config(args + ["train.max_steps=2"]))
     main(load_config(args + ["train.max_steps=3", "train.resume=auto"]))
     vocabularies = [json.loads((out / f"step_{s}" / ckpt.CONFIG_NAME).read_text())["draft_vocab"] for s in (0, 2, 3)]

@@ -303,7 +303,7 @@ def test_config_round_trip(tiny_target):
                                   dict(kind="dynamic", depth=4, top_k=3, total_tokens=12),
                                   dict(kind="static")])
 def test_greedy_speculation_is_lossless(tiny_target, spec):
-    evaluator = pytest.importorskip("draftlab.evaluator")
+    from draftlab import evaluator
     from draftlab.trees import TreeSpec
     from draftlab.verify import Sampling
 
@@ -327,7 +327,7 @@ def test_greedy_speculation_is_lossless(tiny_target, spec):
 
 @pytest.mark.parametrize("kind", ["chain", "dynamic", "static"])
 def test_sampled_speculation_runs(tiny_target, kind):
-    evaluator = pytest.importorskip("draftlab.evaluator")
+    from draftlab import evaluator
     from draftlab.trees import TreeSpec
     from draftlab.verify import Sampling
 
@@ -343,7 +343,8 @@ def test_sampled_speculation_runs(tiny_target, kind):
 
 
 def test_checkpoint_save_load_gives_identical_drafts(tiny_target, tmp_path):
-    from draftlab.checkpoint import load_drafter, save_drafter
+    from draftlab.checkpoint import save_drafter
+    from draftlab.drafters import load_drafter
     from draftlab.trees import TreeSpec
     from draftlab.verify import Sampling
 
@@ -363,7 +364,7 @@ def test_checkpoint_save_load_gives_identical_drafts(tiny_target, tmp_path):
 
 def test_fitting_the_targets_own_text_raises_tau(tiny_target):
     """The shift end to end: a head fitted on the target's greedy text drafts that text back."""
-    evaluator = pytest.importorskip("draftlab.evaluator")
+    from draftlab import evaluator
     from conftest import CORPUS
     from draftlab.trees import TreeSpec
     from draftlab.verify import Sampling

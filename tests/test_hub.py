@@ -16,7 +16,8 @@ import yaml
 from safetensors.torch import load_file
 
 from draftlab import hub
-from draftlab.checkpoint import load_drafter, save_drafter
+from draftlab.checkpoint import save_drafter
+from draftlab.drafters import load_drafter
 from draftlab.drafters import DRAFTERS
 from draftlab.drafters.eagle import EagleHead, _additive
 

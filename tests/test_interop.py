@@ -156,7 +156,7 @@ def test_small_lm_export_reads_the_same_in_transformers_4(small_lm_export, tmp_p
 def test_medusa2_merged_target_in_transformers(tiny_tokenizer, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from draftlab.checkpoint import load_drafter
+    from draftlab.drafters import load_drafter
     from draftlab.drafters.medusa import Medusa2Lora
 
     monkeypatch.setitem(DRAFTERS, "medusa2", Medusa2Lora)

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from draftlab import checkpoint as ckpt
 from draftlab import runtime
 from draftlab.config import load_config
+from draftlab.drafters import load_drafter
 from draftlab.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,7 +181,7 @@ def test_crash_raised_while_writing_a_checkpoint(uninterrupted, tiny_target_dir,
     assert [p.name for p in ckpt.step_folders(out)] == ["step_2", "step_4"]
     assert ckpt.resolve_checkpoint(out).name == "step_4"
     target, _ = tiny_target
-    assert ckpt.load_drafter(out, target) is not None  # the last good checkpoint loads
+    assert load_drafter(out, target) is not None  # the last good checkpoint loads
     main(load_config(args(tiny_target_dir, tiny_chat_file, out, "train.resume=auto")))
     assert not (out / "step_6.tmp").exists()
     assert_same_weights(final_weights(out), final_weights(uninterrupted))

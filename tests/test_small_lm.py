@@ -13,6 +13,7 @@ from draftlab.drafters.small_lm import SmallLM, VocabularyMismatchError
 from draftlab.evaluator import evaluate, speculative_generate, target_generate
 from draftlab.trees import TreeSpec
 from draftlab.verify import Sampling
+from draftlab.drafters import load_drafter
 
 
 @pytest.fixture(autouse=True)
@@ -109,7 +110,7 @@ def test_checkpoint_round_trip(tiny_target, tmp_path):
     ckpt.save_drafter(drafter, tmp_path / "step_1")
     config = json.loads((tmp_path / "step_1" / ckpt.CONFIG_NAME).read_text())
     assert config["kind"] == "small_lm" and config["num_layers"] == 2 and config["vocab_size"] == len(tok)
-    back = ckpt.load_drafter(tmp_path / "step_1", model)
+    back = load_drafter(tmp_path / "step_1", model)
     ids = _ids(tok, "Speculative decoding drafts tokens")[None]
     torch.testing.assert_close(back(ids), drafter(ids))
     assert back.teacher_topk == 8 and back.settings == drafter.settings
@@ -127,7 +128,7 @@ def test_lora_on_a_pretrained_folder(tiny_target, tiny_target_dir, tmp_path):
             if "lora_B" in n:
                 p.normal_(0, 0.05)
     ckpt.save_drafter(drafter, tmp_path / "step_1")
-    back = ckpt.load_drafter(tmp_path / "step_1", model)
+    back = load_drafter(tmp_path / "step_1", model)
     torch.testing.assert_close(back(ids), drafter(ids))
     assert not torch.allclose(back(ids), model(ids).logits)
 
@@ -312,7 +313,7 @@ def test_layer_skip_drafter_trains_saves_and_stays_lossless(tiny_target, tmp_pat
         losses.append(loss.item())
     assert losses[-1] < 0.8 * losses[0], losses
     ckpt.save_drafter(drafter, tmp_path / "step_1")
-    loaded = ckpt.load_drafter(tmp_path / "step_1", model).eval()
+    loaded = load_drafter(tmp_path / "step_1", model).eval()
     ids = _ids(tok, "alpha beta")[None]
     assert torch.equal(loaded(ids), drafter.eval()(ids))
     report = evaluate(model, loaded.proposer(model), _prompts(tok, 2), spec=TreeSpec(kind="chain", draft_length=3),

@@ -10,6 +10,7 @@ import torch
 from draftlab import checkpoint as ckpt
 from draftlab.config import ConfigError, load_config
 from draftlab.train import main
+from draftlab.drafters import load_drafter
 
 
 def tiny_args(tiny_target_dir, data, prompts, out_dir, *extra):
@@ -65,8 +66,8 @@ def test_training_raises_acceptance_length(trained_run):
 def test_saved_checkpoint_reloads_identically(trained_run, tiny_target):
     out, _ = trained_run
     target, _ = tiny_target
-    a = ckpt.load_drafter(out / "step_80", target)
-    b = ckpt.load_drafter(out, target)  # run folder = its best step
+    a = load_drafter(out / "step_80", target)
+    b = load_drafter(out, target)  # run folder = its best step
     assert ckpt.resolve_checkpoint(out).name == (out / "best").read_text().strip()
     for (ka, va), (kb, vb) in zip(ckpt.trainable_state_dict(a).items(), ckpt.trainable_state_dict(a).items()):
         assert ka == kb and torch.equal(va, vb)

@@ -24,18 +24,38 @@ describe the drafts that decoding will really make.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftlab.config import ConfigError
+from draftlab.drafters.options import DrafterConfig, settings
 from draftlab.drafters.small_lm import SmallLMProposer
+from draftlab.errors import ConfigError
 
 LABELS = ("sampled", "greedy")
-_DEFAULTS = {"base": "", "acceptance_layers": 3, "mix_ratio": 0.15, "reject_weight": 6.0,
-             "adaptive_threshold": 0.3, "min_draft": 1, "acceptance_label": "sampled"}
+
+
+@dataclass
+class AcceptanceConfig(DrafterConfig):
+    """drafter.* keys of drafter.kind=acceptance (the head drafts with its base's draft vocabulary)."""
+    kind: str = "acceptance"
+    base: str = ""
+    """The frozen small_lm drafter the head judges (run folder = its best step, or a step_N folder)."""
+    acceptance_layers: int = 3
+    """Residual blocks before the Linear(d -> 1) acceptance logit (SpecDec++: 3)."""
+    mix_ratio: float = 0.15
+    """Share of target tokens (unlabelled) mixed into the head's draft-token input sequence."""
+    reject_weight: float = 6.0
+    """BCE weight of the rejected class (SpecDec++: 6, to balance the rarer rejections)."""
+    adaptive_threshold: float = 0.3
+    """Stop drafting when 1 - prod(predicted acceptance) exceeds this (1 = never: fixed-k)."""
+    min_draft: int = 1
+    """Fewest draft tokens per round before adaptive stopping may stop (at least 1)."""
+    acceptance_label: str = "sampled"
+    """sampled (Y ~ q, label min(1, p/q), for sampled verification) | greedy (Y = argmax q, label 1[argmax p = Y])."""
 
 
 def draft_and_label(q_logits: Tensor, p_logits: Tensor, mode: str = "sampled",
@@ -101,25 +121,27 @@ class AcceptanceHead(nn.Module):
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_target(cls, target, cfg=None) -> "AcceptanceHead":
-        """cfg: any object with the fields of _DEFAULTS; `base` (a small_lm run or step folder) is required."""
-        settings = {k: getattr(cfg, k, v) for k, v in _DEFAULTS.items()}
-        if not settings["base"]:
+        """cfg: an AcceptanceConfig node or any object with its fields; `base` (a small_lm run or step folder) is
+        required."""
+        own = settings(AcceptanceConfig, cfg)
+        if not own["base"]:
             raise ConfigError("drafter.base is empty: point it at the small_lm run (or step_N folder) whose drafts "
                              "the acceptance head should judge")
         from draftlab.checkpoint import resolve_checkpoint
 
         # the exact step folder, so a reload finds the same base even after the base run's `best` moves on
-        settings["base"] = str(resolve_checkpoint(settings["base"]).resolve())
-        return cls(target, cls._load_base(settings["base"], target), settings)
+        own["base"] = str(resolve_checkpoint(own["base"]).resolve())
+        return cls(target, cls._load_base(own["base"], target), own)
 
     @staticmethod
     def _load_base(path: str, target):
-        from draftlab.checkpoint import CheckpointError, load_drafter
+        from draftlab.checkpoint import CheckpointError, restore_drafter
+        from draftlab.drafters.small_lm import SmallLM
 
         if not Path(path).exists():
             raise CheckpointError(f"the base drafter {path} of this acceptance head is missing: the head only "
                                   "stores its own weights and needs the base checkpoint it was trained on")
-        return load_drafter(path, target)
+        return restore_drafter(path, target, {"small_lm": SmallLM})
 
     def drafter_config(self) -> dict:
         from draftlab.target import target_fingerprint
@@ -129,12 +151,12 @@ class AcceptanceHead(nn.Module):
 
     @classmethod
     def from_config(cls, config: dict, target) -> "AcceptanceHead":
-        """config["folder"] (given by checkpoint.load_drafter): the checkpoint folder, against which a relative
+        """config["folder"] (given by checkpoint.restore_drafter): the checkpoint folder, against which a relative
         `base` (an export's draftlab/base) is resolved."""
-        settings = {k: config.get(k, v) for k, v in _DEFAULTS.items()}
-        if settings["base"] and not Path(settings["base"]).is_absolute() and config.get("folder"):
-            settings["base"] = str((Path(config["folder"]) / settings["base"]).resolve())
-        return cls(target, cls._load_base(settings["base"], target), settings)
+        own = settings(AcceptanceConfig, config)
+        if own["base"] and not Path(own["base"]).is_absolute() and config.get("folder"):
+            own["base"] = str((Path(config["folder"]) / own["base"]).resolve())
+        return cls(target, cls._load_base(own["base"], target), own)
 
     # --- the network --------------------------------------------------------------------------------------
     def forward(self, hidden: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ code's extra factor 512/T: it makes the noise depend on the sample length (about
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -29,9 +30,30 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from draftlab import vocab
+from draftlab.drafters.options import DrafterConfig, DraftVocabOption, setting_names, settings
 
-_DEFAULTS = {"num_layers": 1, "feature_noise": 0.2, "reg_weight": 1.0, "cls_weight": 0.1, "fc_bias": True,
-             "draft_vocab_size": 0, "init_from_target": False, "harmonized_steps": 1, "topk_weight": 0.0}
+
+@dataclass
+class EagleConfig(DraftVocabOption, DrafterConfig):
+    """drafter.* keys of drafter.kind=eagle."""
+    kind: str = "eagle"
+    num_layers: int = 1
+    """Decoder layers in the head."""
+    feature_noise: float = 0.2
+    """Std of the uniform noise added to target features during training (0 = off)."""
+    reg_weight: float = 1.0
+    """Weight of the feature-regression (SmoothL1) loss."""
+    cls_weight: float = 0.1
+    """Weight of the soft cross-entropy against the target distribution."""
+    fc_bias: bool = True
+    """Bias in the fusion layer."""
+    init_from_target: bool = False
+    """Start the head's decoder layer from the target's last decoder layer (data-efficient start)."""
+    harmonized_steps: int = 1
+    """HASS harmonized context alignment: forwards per batch, step j fed the head's own step j-1 features (as a
+    draft node at depth j+1 sees them); 1 = plain EAGLE training (method_specs 2.4)."""
+    topk_weight: float = 0.0
+    """Weight of HASS's top-K distillation term (the soft CE on the target's 10 most likely tokens)."""
 
 
 def _additive(visible: Tensor, dtype: torch.dtype) -> Tensor:
@@ -142,19 +164,20 @@ class EagleHead(nn.Module):
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_target(cls, target, cfg=None) -> "EagleHead":
-        """cfg: any object with num_layers, feature_noise, reg_weight, cls_weight, fc_bias (None = defaults)."""
-        return cls(target, **{k: getattr(cfg, k, v) for k, v in _DEFAULTS.items()})
+        """cfg: an EagleConfig node or any object with its fields (missing ones and None = the defaults)."""
+        return cls(target, **settings(EagleConfig, cfg))
 
     def drafter_config(self) -> dict:
         """JSON-able: kind, hyper-parameters, and the fingerprint of the target it was built on."""
         return {"kind": self.kind, "feature_layers": list(self.feature_layers),
-                **{k: getattr(self, k) for k in _DEFAULTS}, "target": dict(self.target_fingerprint),
+                **{k: getattr(self, k) for k in setting_names(EagleConfig)}, "target": dict(self.target_fingerprint),
                 "draft_vocab": self.draft_head.draft_vocab.tolist() if self.draft_head.reduced else None}
 
     @classmethod
     def from_config(cls, config: dict, target) -> "EagleHead":
         """Rebuild (untrained weights) from `drafter_config()` output; load the state dict afterwards."""
-        head = cls(target, **{k: config.get(k, v) for k, v in _DEFAULTS.items() if k != "init_from_target"},
+        own = {k: v for k, v in settings(EagleConfig, config).items() if k != "init_from_target"}
+        head = cls(target, **own,
                    draft_vocab=config.get("draft_vocab"))
         saved = config.get("target") or {}
         for key in ("hidden_size", "vocab_size"):

@@ -35,6 +35,7 @@ The proposer sees logits over the target vocabulary with -inf outside the draft 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
@@ -44,9 +45,25 @@ from transformers import DynamicCache
 
 from draftlab import vocab
 from draftlab.drafters.eagle import EagleProposer, own_feature_steps, ttt_mask
+from draftlab.drafters.options import DrafterConfig, DraftVocabOption, settings
 from draftlab.vocab import AUTO_DRAFT_VOCAB, expand_logits, vocab_maps  # noqa: F401  (re-exported)
 
-_DEFAULTS = {"ttt_steps": 7, "ttt_decay": 0.8, "draft_vocab_size": 0, "init_from_target": False}
+
+
+@dataclass
+class Eagle3Config(DraftVocabOption, DrafterConfig):
+    """drafter.* keys of drafter.kind=eagle3."""
+    kind: str = "eagle3"
+    aux_layers: list[int] = field(default_factory=list)
+    """Target hidden-state indices the head fuses ([] = [2, L//2, L-3] for an L-layer target)."""
+    ttt_steps: int = 7
+    """Training-time-test steps (the head is fed its own outputs this many times per position)."""
+    ttt_decay: float = 0.8
+    """Loss weight decay^j of training-time-test step j."""
+    init_from_target: bool = False
+    """Start the head's decoder layer from the target's last decoder layer (data-efficient start)."""
+
+
 # Variants of the speculators format (Eagle3SpeculatorConfig), off in the EAGLE-3 paper's layout and in what draftlab
 # trains; on in heads speculators trains by default, which `draftlab eval` imports: norm_before_fc = an RMSNorm over
 # the concatenated aux states before fc; norm_before_residual = the first layer's residual is the normed fused state;
@@ -151,10 +168,9 @@ class EagleHead3(nn.Module):
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_target(cls, target, cfg=None) -> "EagleHead3":
-        """cfg: any object with ttt_steps, ttt_decay, draft_vocab_size, aux_layers (missing = defaults)."""
-        aux = getattr(cfg, "aux_layers", None)
-        return cls(target, aux_layers=list(aux) if aux else None,
-                   **{k: getattr(cfg, k, v) for k, v in _DEFAULTS.items()})
+        """cfg: an Eagle3Config node or any object with its fields (missing ones and None = the defaults)."""
+        own = settings(Eagle3Config, cfg)
+        return cls(target, aux_layers=own.pop("aux_layers") or None, **own)
 
     def drafter_config(self) -> dict:
         if not self.vocab_ready:
@@ -173,8 +189,9 @@ class EagleHead3(nn.Module):
             if key in config and config[key] != getattr(text, key):
                 raise ValueError(f"eagle3 checkpoint was trained for {key}={config[key]} but the target has "
                                  f"{getattr(text, key)}: load it with the target it was trained on")
-        return cls(target, aux_layers=config["aux_layers"], draft_vocab=config.get("draft_vocab"),
-                   **{k: config.get(k, v) for k, v in {**_DEFAULTS, **_VARIANTS}.items() if k != "init_from_target"})
+        own = {k: v for k, v in settings(Eagle3Config, config).items() if k not in ("aux_layers", "init_from_target")}
+        return cls(target, aux_layers=config["aux_layers"], draft_vocab=config.get("draft_vocab"), **own,
+                   **{k: config.get(k, v) for k, v in _VARIANTS.items()})
 
     def prepare(self, dataset) -> None:
         """Build the draft vocabulary from the assistant-token frequencies of the training rows

@@ -38,19 +38,45 @@ from __future__ import annotations
 
 import heapq
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftlab import vocab
+from draftlab.drafters.options import DrafterConfig, DraftVocabOption, LoraOptions, setting_names, settings
 from draftlab.trees import EAGLE_DEFAULT_CHOICES, DraftTree, chain, rerank, static_tree, subtree
 
 TOPK = 10                      # ranks tallied per head, and the widest rank a static tree may use
 TALLY_DECAY = 0.99             # running accuracies weigh the last ~100 training steps
-_DEFAULTS = {"medusa_heads": 4, "medusa_layers": 1, "medusa_decay": 0.8, "medusa_weight": 0.2,
-             "medusa_tree_nodes": 63, "draft_vocab_size": 0}
-_LORA_DEFAULTS = {"lora_r": 32, "lora_alpha": 64, "lora_dropout": 0.0, "kl_weight": 1.0}
+
+
+@dataclass
+class MedusaConfig(DraftVocabOption, DrafterConfig):
+    """drafter.* keys of drafter.kind=medusa."""
+    kind: str = "medusa"
+    medusa_heads: int = 4
+    """Number of heads (head k, 1-based, predicts token t+1+k)."""
+    medusa_layers: int = 1
+    """Residual blocks per head."""
+    medusa_decay: float = 0.8
+    """Head k's loss weight is medusa_weight * medusa_decay^k (k = 1..K)."""
+    medusa_weight: float = 0.2
+    """lambda_0, the coefficient of the heads' loss."""
+    medusa_tree_nodes: int = 63
+    """Nodes of the static tree built from the per-head accuracies measured in training."""
+
+
+@dataclass
+class Medusa2Config(LoraOptions, MedusaConfig):
+    """drafter.* keys of drafter.kind=medusa2: Medusa heads trained jointly with LoRA adapters on the target."""
+    kind: str = "medusa2"
+    lora_r: int = 32
+    """Rank of the LoRA adapters on the target (at least 1)."""
+    kl_weight: float = 1.0
+    """Weight of KL(original target || adapted target), which keeps the served model close to the original."""
+
 
 
 def prior_accuracy(num_heads: int, ranks: int = TOPK) -> Tensor:
@@ -165,13 +191,12 @@ class MedusaHeads(nn.Module):
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_target(cls, target, cfg=None) -> "MedusaHeads":
-        """cfg: any object with medusa_heads, medusa_layers, medusa_decay, medusa_weight, medusa_tree_nodes,
-        draft_vocab_size (missing ones take the defaults)."""
-        return cls(target, **{k: getattr(cfg, k, v) for k, v in _DEFAULTS.items()})
+        """cfg: a MedusaConfig node or any object with its fields (missing ones and None = the defaults)."""
+        return cls(target, **settings(MedusaConfig, cfg))
 
     def drafter_config(self) -> dict:
         return {"kind": self.kind, "feature_layers": list(self.feature_layers), "hidden_size": self.hidden_size,
-                "vocab_size": self.vocab_size, **{k: getattr(self, k) for k in _DEFAULTS},
+                "vocab_size": self.vocab_size, **{k: getattr(self, k) for k in setting_names(MedusaConfig)},
                 "head_accuracy": self.head_accuracy().tolist(), "accuracy_measured": bool((self.seen > 0).all()),
                 "tree_choices": self.tree_choices(),
                 "draft_vocab": self.draft_vocab.tolist() if self.reduced else None}
@@ -198,7 +223,7 @@ class MedusaHeads(nn.Module):
     def from_config(cls, config: dict, target) -> "MedusaHeads":
         cls._check_target(config, target)
         return cls(target, tree_choices=config.get("tree_choices"), head_accuracy=config.get("head_accuracy"),
-                   draft_vocab=config.get("draft_vocab"), **{k: config.get(k, v) for k, v in _DEFAULTS.items()})
+                   draft_vocab=config.get("draft_vocab"), **settings(MedusaConfig, config))
 
     # --- heads, loss, measured accuracies -----------------------------------------------------------------
     def head_logits(self, hidden: Tensor) -> Tensor:
@@ -355,17 +380,17 @@ class Medusa2Lora(MedusaHeads):
 
     @classmethod
     def from_target(cls, target, cfg=None) -> "Medusa2Lora":
-        return cls(target, **{k: getattr(cfg, k, v) for k, v in {**_DEFAULTS, **_LORA_DEFAULTS}.items()})
+        return cls(target, **settings(Medusa2Config, cfg))
 
     @classmethod
     def from_config(cls, config: dict, target) -> "Medusa2Lora":
         cls._check_target(config, target)
         return cls(target, tree_choices=config.get("tree_choices"), head_accuracy=config.get("head_accuracy"),
                    draft_vocab=config.get("draft_vocab"),
-                   **{k: config.get(k, v) for k, v in {**_DEFAULTS, **_LORA_DEFAULTS}.items()})
+                   **settings(Medusa2Config, config))
 
     def drafter_config(self) -> dict:
-        return {**super().drafter_config(), **{k: getattr(self, k) for k in _LORA_DEFAULTS}}
+        return {**super().drafter_config(), **{k: getattr(self, k) for k in setting_names(Medusa2Config)}}
 
     def train(self, mode: bool = True) -> "Medusa2Lora":
         super().train(mode)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,14 +42,51 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from draftlab import vocab
-from draftlab.config import ConfigError
+from draftlab.drafters.options import DrafterConfig, DraftVocabOption, LoraOptions, settings
+from draftlab.errors import ConfigError
 
 MODES = ("offline_blackbox", "offline_whitebox", "online_whitebox", "online_blackbox")
-_DEFAULTS = {"num_layers": 1, "hidden_size": 0, "num_attention_heads": 0, "num_key_value_heads": 0,
-             "intermediate_size": 0, "share_embeddings": True, "train_shared_embeddings": False, "init_from": "",
-             "lora_r": 0, "lora_alpha": 0, "lora_dropout": 0.0, "distill_mode": "offline_blackbox",
-             "distill_loss": "fkl", "distill_temperature": 1.0, "jsd_beta": 0.5, "student_ratio": 0.5,
-             "rollout_tokens": 64, "teacher_topk": 20, "draft_vocab_size": 0, "target_layers": []}
+
+
+@dataclass
+class SmallLMConfig(LoraOptions, DraftVocabOption, DrafterConfig):
+    """drafter.* keys of drafter.kind=small_lm. Its draft vocabulary restricts the LM head at drafting time only
+    (training keeps the full head); lora_* put adapters on the small LM (0 = none)."""
+    kind: str = "small_lm"
+    num_layers: int = 1
+    """Decoder layers of a drafter built from the target's config."""
+    hidden_size: int = 0
+    """Width of a drafter built from the target's config (0 = the target's)."""
+    num_attention_heads: int = 0
+    """Attention heads (0 = the target's at the target's width, else hidden_size // 64)."""
+    num_key_value_heads: int = 0
+    """Key/value heads (0 = the target's, at most num_attention_heads)."""
+    intermediate_size: int = 0
+    """MLP width (0 = the target's at the target's width, else 4 x hidden_size)."""
+    share_embeddings: bool = True
+    """Built from the target's config: copy the target's input embeddings and LM head in (needs the target's width)."""
+    train_shared_embeddings: bool = False
+    """Keep the copied embeddings / LM head trainable and saved (default: frozen, restored from the target)."""
+    init_from: str = ""
+    """Start from this local pretrained model folder (the target's tokenizer) instead of the target's config."""
+    target_layers: list[int] = field(default_factory=list)
+    """Build the drafter from these decoder layers of the target (indices; negative count from the end), with its
+    embeddings, final norm and LM head: the self-speculative / layer-skip start. Sets the depth (num_layers is
+    then ignored) and needs the target's width (hidden_size 0)."""
+    distill_mode: str = "offline_blackbox"
+    """offline_blackbox, offline_whitebox, online_whitebox, online_blackbox."""
+    distill_loss: str = "fkl"
+    """White-box divergence: fkl, rkl, jsd, tvd."""
+    distill_temperature: float = 1.0
+    """White-box: temperature applied to both student and teacher logits."""
+    jsd_beta: float = 0.5
+    """Beta of the generalised JSD (beta*KL(p||M) + (1-beta)*KL(q||M), M = beta*p + (1-beta)*q)."""
+    student_ratio: float = 0.5
+    """online_whitebox: probability that a step trains on the student's own continuations."""
+    rollout_tokens: int = 64
+    """Online modes: tokens generated per prompt by the student (online_whitebox) or the target (online_blackbox)."""
+    teacher_topk: int = 20
+    """offline_whitebox: the target's top-k log-probs (plus tail mass) read from data.store."""
 
 
 class VocabularyMismatchError(ConfigError):
@@ -256,11 +294,12 @@ class SmallLM(nn.Module):
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_target(cls, target, cfg=None, tokenizer=None) -> "SmallLM":
-        """cfg: any object with the fields of _DEFAULTS (missing ones take the defaults). tokenizer: the target's
-        (None: found from the target's folder when it has one) to check a pretrained drafter's tokenizer."""
-        settings = {k: getattr(cfg, k, v) for k, v in _DEFAULTS.items()}
-        settings["target_layers"] = [int(i) for i in settings["target_layers"]]  # a plain list (config: ListConfig)
-        return cls._build(target, settings, tokenizer if tokenizer is not None else target_tokenizer(target))
+        """cfg: a SmallLMConfig node or any object with its fields (missing ones and None = the defaults).
+        tokenizer: the target's (None: found from the target's folder when it has one) to check a pretrained
+        drafter's tokenizer."""
+        own = settings(SmallLMConfig, cfg)
+        own["target_layers"] = [int(i) for i in own["target_layers"]]
+        return cls._build(target, own, tokenizer if tokenizer is not None else target_tokenizer(target))
 
     @classmethod
     def _build(cls, target, s: dict, tokenizer, draft_vocab: list[int] | None = None) -> "SmallLM":
@@ -319,8 +358,7 @@ class SmallLM(nn.Module):
 
     @classmethod
     def from_config(cls, config: dict, target) -> "SmallLM":
-        settings = {k: config.get(k, v) for k, v in _DEFAULTS.items()}
-        return cls._build(target, settings, target_tokenizer(target), config.get("draft_vocab"))
+        return cls._build(target, settings(SmallLMConfig, config), target_tokenizer(target), config.get("draft_vocab"))
 
     def prepare(self, dataset) -> None:
         """Choose the draft vocabulary (drafter.draft_vocab_size) from the training rows' assistant tokens."""

@@ -1,0 +1,58 @@
+"""What every drafter kind's config shares: the `kind` key, and option groups that several kinds take.
+
+Each drafter module declares its config once, as a dataclass built from these (`EagleConfig` in eagle.py, ...):
+its fields are the `drafter.*` keys of that kind, with their defaults and docs. config.py selects the dataclass
+by `drafter.kind`, so a key that belongs to another kind is an error, and a drafter reads its settings with
+`settings(ConfigClass, source)`.
+"""
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, fields
+
+
+@dataclass
+class DrafterConfig:
+    kind: str = "eagle"
+    """Drafter kind: one of draftlab.drafters.DRAFTERS (eagle, eagle3, medusa, medusa2, small_lm, acceptance)."""
+
+
+@dataclass
+class DraftVocabOption:
+    draft_vocab_size: int = 0
+    """Draft vocabulary = the N most frequent assistant tokens of data.train; the drafter proposes only those, so
+    a draft step skips most of the LM head (0 = the full vocabulary, -1 = auto: 32000, or every distinct
+    assistant token when the data holds fewer; an explicit N above that count is an error)."""
+
+
+@dataclass
+class LoraOptions:
+    lora_r: int = 0
+    """LoRA rank (0 = no adapters)."""
+    lora_alpha: int = 0
+    """LoRA alpha (0 = 2 * lora_r)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA path."""
+
+
+def settings(config_class, source=None) -> dict:
+    """The kind's settings (every field but `kind`) read from `source`: a config node or object (attributes), a
+    dict (a saved drafter_config.json), or None; what it lacks takes the dataclass default. Lists come back as
+    plain lists (a config node holds ListConfig)."""
+    out = {}
+    for f in fields(config_class):
+        if f.name == "kind":
+            continue
+        default = f.default if f.default is not MISSING else f.default_factory()
+        if source is None:
+            value = default
+        elif isinstance(source, dict):
+            value = source.get(f.name, default)
+        else:
+            value = getattr(source, f.name, default)
+        out[f.name] = list(value) if isinstance(default, list) and value is not None else value
+    return out
+
+
+def setting_names(config_class) -> list[str]:
+    """The kind's setting keys (every field but `kind`), in declaration order."""
+    return [f.name for f in fields(config_class) if f.name != "kind"]

@@ -1,0 +1,92 @@
+"""Errors meant for the user, and how a command reports them: one line on stderr, exit code 2.
+
+Every module raises the class of its own layer (a bad config key is a ConfigError, an unreadable checkpoint a
+CheckpointError, ...); the message says what is wrong, where, and how to fix it. They live here, below every
+other module, so that any module can raise them and the command layer can catch them all without importing
+the modules that raise them.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import sys
+
+
+class ConfigError(ValueError):
+    """A configuration problem a user can fix; the message is one line."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message says which file and why."""
+
+
+class DiskFullError(CheckpointError):
+    """The disk (or quota) filled up while writing; the message says what was cleaned up and how to continue."""
+
+
+class DataError(ValueError):
+    """Data that cannot be used; the message names the file (and line) and says how to fix it."""
+
+
+class TargetError(ValueError):
+    """The target cannot be found or loaded; the message says what, where, and how to fix it."""
+
+
+class HubError(Exception):
+    """Export or upload failed; the message is one line for the user (never containing the token)."""
+
+
+class LockError(RuntimeError):
+    """Another process holds the lock; the message names it and says what to do."""
+
+
+USER_ERRORS = (ConfigError, CheckpointError, DataError, TargetError, HubError, LockError)
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """An OSError for a full disk or an exhausted quota, or a DiskFullError raised for one."""
+    return isinstance(e, DiskFullError) or (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+
+
+def describe_disk_full(e: BaseException) -> str:
+    """'no space left on device writing FILE' for messages (a DiskFullError's own message says what it wrote)."""
+    if isinstance(e, DiskFullError):
+        return str(e)
+    reason = "disk quota exceeded" if e.errno == errno.EDQUOT else "no space left on device"
+    return reason + (f" writing {e.filename}" if getattr(e, "filename", None) else "")
+
+
+def run_guarded(fn) -> int:
+    """Run fn(); user errors (and a full disk anywhere) become one line on stderr and exit code 2, Ctrl-C exit
+    code 130."""
+    try:
+        fn()
+    except USER_ERRORS as e:
+        _end_progress_bars()
+        print(f"draftlab: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        _end_progress_bars()
+        print(f"draftlab: error: {describe_disk_full(e)}: free some space and run the command again", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("draftlab: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _end_progress_bars() -> None:
+    """Close the progress bars an error interrupted, so that its line starts on a line of its own."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (what, and where to read more), exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
