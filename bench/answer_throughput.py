@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,7 +38,12 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-sizes", default="16,32,64")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--render", action="store_true", help="only rewrite the table from the JSON's recorded runs")
     args = ap.parse_args(argv)
+    if args.render:
+        saved = json.loads(OUT.with_suffix(".json").read_text())
+        write(saved["header"], {r["config"]: r["runs"] for r in saved["rows"]})
+        return
 
     import torch
 
@@ -88,28 +94,37 @@ def main(argv=None) -> None:
                                "cpu_seconds": time.process_time() - cpu})
             print(f"repeat {r} {name}: {counts} in {runs[name][-1]['wall_seconds']:.1f} s", flush=True)
 
-    def median(values):
-        values = sorted(values)
-        return values[len(values) // 2]
+    header = {"command": " ".join(sys.argv), "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+              "fixed_rows": len(fixed), "threads": args.threads, "nproc": os.cpu_count(),
+              "load_average": [load_start, load_average()]}
+    write(header, runs)
+
+
+RATES = {"new_tokens_per_second": ("new_tokens", "wall_seconds"), "new_tokens_per_cpu_second": ("new_tokens", "cpu_seconds"),
+         "usable_tokens_per_second": ("usable_tokens", "wall_seconds"),
+         "usable_tokens_per_cpu_second": ("usable_tokens", "cpu_seconds")}
+
+
+def write(header: dict, runs: dict[str, list[dict]]) -> None:
+    """bench/results/answer_throughput.{json,md}: per configuration, each rate's median over the repeats with its
+    min and max (`python bench/answer_throughput.py --render` redoes this from the JSON's runs)."""
     rows = []
     for name, rs in runs.items():
-        rows.append({"config": name, "repeats": len(rs),
-                     "new_tokens_per_second": median([x["new_tokens"] / x["wall_seconds"] for x in rs]),
-                     "new_tokens_per_cpu_second": median([x["new_tokens"] / x["cpu_seconds"] for x in rs]),
-                     "usable_tokens_per_second": median([x["usable_tokens"] / x["wall_seconds"] for x in rs]),
-                     "usable_tokens_per_cpu_second": median([x["usable_tokens"] / x["cpu_seconds"] for x in rs]),
-                     "runs": rs})
-    header = {"command": " ".join(sys.argv), "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-              "threads": args.threads, "nproc": os.cpu_count(), "load_average": [load_start, load_average()]}
+        row = {"config": name, "repeats": len(rs)}
+        for key, (num, den) in RATES.items():
+            values = [x[num] / x[den] for x in rs]
+            row.update({key: statistics.median(values), f"{key}_min": min(values), f"{key}_max": max(values)})
+        rows.append({**row, "runs": rs})
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=2) + "\n")
-    lines = [f"{args.num_prompts} prompts x up to {args.max_new_tokens} new tokens (answering) or {len(fixed)} "
-             f"fixed-text rows (scoring); {args.threads} threads; {args.repeats} interleaved repeats, medians; load "
-             f"average {header['load_average']}.", "",
+    lines = [f"{header['num_prompts']} prompts x up to {header['max_new_tokens']} new tokens (answering) or "
+             f"{header.get('fixed_rows', header['num_prompts'])} fixed-text rows (scoring); {header['threads']} threads; "
+             f"{rows[0]['repeats']} interleaved repeats: median (min-max); load average {header['load_average']}.", "",
              "| configuration | new tokens/s | new tokens per CPU-s | usable training tokens/s | usable per CPU-s |",
              "|---|---|---|---|---|"]
-    lines += [f"| {r['config']} | {r['new_tokens_per_second']:.1f} | {r['new_tokens_per_cpu_second']:.1f} | "
-              f"{r['usable_tokens_per_second']:.1f} | {r['usable_tokens_per_cpu_second']:.1f} |" for r in rows]
+    for r in rows:
+        cells = [f"{r[k]:.1f} ({r[k + '_min']:.1f}-{r[k + '_max']:.1f})" for k in RATES]
+        lines.append(f"| {r['config']} | " + " | ".join(cells) + " |")
     OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
