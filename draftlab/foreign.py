@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftlab.checkpoint import CONFIG_NAME, CheckpointError, trainable_state_dict
+from draftlab.trees import static_tree_layout
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -291,6 +292,12 @@ def build_medusa(src: ForeignDrafter, target) -> torch.nn.Module:
         raise CheckpointError(f"{where}: its Medusa weights name no head ({sorted(weights)[:3]})")
     choices_file = where / "medusa_choices.json"
     choices = read_json(choices_file) if choices_file.is_file() else None
+    if choices:
+        try:
+            static_tree_layout(choices)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{choices_file}: {e}; fix the list or remove the file (the prior tree is used "
+                                  "then)") from None
     drafter = MedusaHeads(target, medusa_heads=heads, medusa_layers=layers, tree_choices=choices or None)
     lm_head = target.get_output_embeddings().weight.detach()
     mapped = {f"heads.{n}": v for n, v in weights.items()}

@@ -1,8 +1,9 @@
 """Proposers that are not trained drafters: baselines and references for the evaluator.
 
 - PromptLookupProposer: training-free n-gram lookup in the committed sequence (a chain, deterministic).
-- TargetCopyProposer: drafts with the target itself through its own KV cache. Under greedy decoding every
-  draft on the greedy path is accepted, so a chain of k gives tau == k+1 exactly: the reference drafter.
+- CausalLMProposer: drafts with a causal LM through its own KV cache: the target itself (under greedy decoding
+  every draft on the greedy path is accepted, so a chain of k gives tau == k+1 exactly: the reference drafter),
+  or a small_lm drafter.
 - LookupFirstProposer: prompt lookup in front of a trained drafter (lookup where the sequence repeats itself).
 - RandomProposer: uniformly random tokens: a useless drafter (tau close to 1) for tests and benchmarks.
 All follow the Proposer protocol in ARCHITECTURE.md (feature_layers, reset, commit, propose).
@@ -13,7 +14,8 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from draftlab.trees import DraftTree, TreeSpec, chain, empty_tree, node_depths, rerank, static_tree_layout, subtree
+from draftlab import drafting, vocab
+from draftlab.trees import DraftTree, TreeSpec, additive, chain, empty_tree, static_tree_layout
 from draftlab.verify import Sampling
 
 
@@ -130,138 +132,84 @@ class RandomProposer:
                          q.to(self.device) if q is not None else None, "topk" if q is None else "with_replacement")
 
 
-class TargetCopyProposer:
-    """Drafts with the target model itself, level by level through its own KV cache.
+class CausalLMProposer:
+    """Drafts with a causal LM over its own KV cache: the target itself (the reference drafter: under greedy
+    decoding every draft on the greedy path is accepted, so a chain of k reaches tau == k+1 exactly), or a
+    small_lm drafter. Chains, static and dynamic trees come from `drafting`; this class supplies the next-step
+    distribution.
 
-    chain: the target's greedy / sampled continuation (q = its processed distribution, "with_replacement").
-    static: EAGLE-1-style autoregressive tree: a rank-r child is the target's top-r token at its parent
-      (greedy), or the r-th draw without replacement from its distribution (sampling).
-    dynamic: EAGLE-2 expansion (top_k children per frontier node, frontier = best top_k by cumulative
-      log-prob) then `rerank` to total_tokens; deterministic ("topk") even when sampling.
-    head (a vocab.DraftHead on the model's LM head; small_lm's trees): the model's decoder is read through it, so
-    only the draft vocabulary's rows are computed and drafted (q zero outside); None = the model's own logits.
+    head: a vocab.DraftHead on the model's LM head: only the draft vocabulary's rows are computed and drafted
+    (q zero outside), and `hidden` keeps the decoder's last state (after the final norm); None = the model's own
+    logits (its whole forward). The cache keeps whatever prefix of (committed tokens + drafts fed as a chain)
+    still matches the committed sequence, so accepted chain drafts are not recomputed; tree levels are fed with
+    a tree mask and dropped at the next round.
     """
 
     feature_layers: tuple[int, ...] = ()
+    max_depth = None
 
-    def __init__(self, target, head=None):
-        self.target, self.head = target, head
-        self.seq: list[int] = []
-        self.cache = None
+    def __init__(self, model, head=None):
+        self.model, self.head = model, head
+        self.hidden: Tensor | None = None
+        self.reset(torch.zeros(0, dtype=torch.long))
 
     def reset(self, prompt_ids: Tensor) -> None:
-        self.seq = prompt_ids.tolist()
-        self.cache = DynamicCache(config=self.target.config)
+        self.seq = prompt_ids.reshape(-1).tolist()
+        self.cache = DynamicCache(config=self.model.config)
+        self.cached: list[int | None] = []        # the token of each cache entry (None: a tree entry)
+        self.verified = 0                         # cached[:verified] are committed tokens
+        self.fed: list[int] = []                  # this round's draft nodes, in cache order
 
-    def commit(self, tokens: Tensor, features: Tensor | None) -> None:
-        self.seq.extend(tokens.tolist())
+    def commit(self, tokens: Tensor, features: Tensor | None = None) -> None:
+        self.seq.extend(tokens.reshape(-1).tolist())
+
+    def _forward(self, ids: list[int], keep: int, **inputs) -> Tensor:
+        """Feed `ids` after the cache; draft logits [keep or len(ids), Vd] in float32 (`hidden`: the last state)."""
+        ids = torch.tensor([ids], device=self.model.device)
+        if self.head is None:
+            logits = self.model(input_ids=ids, past_key_values=self.cache, use_cache=True, **inputs).logits[0]
+            return logits[-keep:].float() if keep else logits.float()
+        hidden, logits = vocab.lm_step(self.model, self.head, keep, input_ids=ids, past_key_values=self.cache,
+                                       use_cache=True, **inputs)
+        self.hidden = hidden[0, -1]
+        return logits[0].float()
+
+    def root(self) -> Tensor:
+        """Drop cached entries that the committed sequence does not continue, feed the rest (at least the root)."""
+        limit = min(len(self.cached), len(self.seq) - 1)
+        keep = min(self.verified, limit)
+        while keep < limit and self.cached[keep] == self.seq[keep]:
+            keep += 1
+        if len(self.cached) > keep:
+            self.cache.crop(-(len(self.cached) - keep))
+            del self.cached[keep:]
+        logits = self._forward(self.seq[keep:], 1)[-1]
+        self.cached.extend(self.seq[keep:])
+        self.verified, self.prefix, self.fed = len(self.seq), len(self.cached), []
+        return logits
+
+    def step(self, nodes: list[int], tree) -> Tensor:
+        ids = [tree.tokens[n] for n in nodes]
+        if len(nodes) == 1 and tree.path(tree.parents[nodes[0]]) == self.fed:
+            logits = self._forward(ids, 1)             # the chain so far: the model's own causal mask
+            self.cached.extend(ids)
+        else:
+            device = self.model.device
+            visible = torch.cat([torch.ones(len(nodes), self.prefix, dtype=torch.bool, device=device),
+                                 tree.sees(nodes, self.fed, device),
+                                 torch.eye(len(nodes), dtype=torch.bool, device=device)], dim=1)
+            positions = torch.tensor([[self.prefix - 1 + tree.depths[n] for n in nodes]], device=device)
+            logits = self._forward(ids, 0, attention_mask=additive(visible, self.model.dtype), position_ids=positions)
+            self.cached.extend([None] * len(nodes))
+        self.fed += nodes
+        return logits
+
+    def to_target(self, index: Tensor) -> Tensor:
+        return self.head.to_target(index) if self.head is not None else index
+
+    def expand(self, logits: Tensor) -> Tensor:
+        return self.head.expand(logits) if self.head is not None else logits
 
     @torch.inference_mode()
     def propose(self, spec: TreeSpec, sampling: Sampling, generator: torch.Generator | None = None) -> DraftTree:
-        device = self.target.device
-        # catch the own cache up with the committed sequence (root included): logits at the root
-        new = torch.tensor(self.seq[self.cache.get_seq_length():], device=device)
-        root_logits = self._logits(1, input_ids=new[None], past_key_values=self.cache, use_cache=True)[-1]
-        self.base = self.cache.get_seq_length()
-        self.nodes: list[dict] = []          # token, parent, depth, ancestors (incl. self), q
-        self.in_cache: list[int] = []        # node index of every tree position appended to the cache
-        try:
-            if spec.kind == "dynamic":
-                return self._dynamic(spec, root_logits)
-            if spec.kind == "chain":
-                layout = [[0] * d for d in range(1, spec.draft_length + 1)]
-            else:
-                layout = spec.choices
-            return self._static(layout, root_logits, sampling, generator)
-        finally:   # keep the committed prefix without the root: a repeated propose (cost measurement) feeds it again
-            self.cache.crop(self.base - 1 - self.cache.get_seq_length())
-
-    def _logits(self, keep: int, **inputs) -> Tensor:
-        """Logits [n, V] of a batch-1 forward (draft logits [n, Vd] through `head`), the last `keep` positions
-        when the head is used (0 = all)."""
-        if self.head is None:
-            return self.target(**inputs).logits[0]
-        from draftlab.vocab import lm_step
-
-        return lm_step(self.target, self.head, keep, **inputs)[1][0]
-
-    def _ids(self, index: Tensor) -> list[int]:
-        """Indices into `_logits`' last dimension -> target token ids."""
-        return (self.head.to_target(index) if self.head is not None else index).tolist()
-
-    def _add(self, token: int, parent: int, q: Tensor | None = None, score: float = 0.0) -> int:
-        depth = 1 if parent < 0 else self.nodes[parent]["depth"] + 1
-        ancestors = ({len(self.nodes)} | self.nodes[parent]["anc"]) if parent >= 0 else {len(self.nodes)}
-        self.nodes.append({"token": token, "parent": parent, "depth": depth, "anc": ancestors, "q": q,
-                           "score": score})
-        return len(self.nodes) - 1
-
-    def _expand(self, frontier: list[int]) -> Tensor:
-        """Target logits [len(frontier), V] after each frontier node, via one forward with a tree mask."""
-        device, dtype = self.target.device, self.target.dtype
-        n_old = len(self.in_cache)
-        bias = torch.zeros(1, 1, len(frontier), self.base + n_old + len(frontier), dtype=dtype, device=device)
-        cols = self.in_cache + frontier
-        for row, f in enumerate(frontier):
-            hidden = [self.base + c for c, node in enumerate(cols) if node not in self.nodes[f]["anc"]]
-            bias[0, 0, row, hidden] = torch.finfo(dtype).min
-        ids = torch.tensor([self.nodes[f]["token"] for f in frontier], device=device)
-        pos = torch.tensor([self.base - 1 + self.nodes[f]["depth"] for f in frontier], device=device)
-        logits = self._logits(0, input_ids=ids[None], attention_mask=bias, position_ids=pos[None],
-                              past_key_values=self.cache, use_cache=True)
-        self.in_cache += frontier
-        return logits
-
-    def _static(self, layout: list[list[int]], root_logits: Tensor, sampling: Sampling,
-                generator: torch.Generator | None) -> DraftTree:
-        parents, ranks = static_tree_layout(layout)
-        depths = node_depths(parents).tolist()
-        parents, ranks = parents.tolist(), ranks.tolist()
-        slot: dict[int, int] = {}                    # layout index -> node index (absent: dropped)
-        logits_at = {-1: root_logits}                # node index -> target logits after it
-        for level in range(1, max(depths, default=0) + 1):
-            members = [i for i in range(len(parents)) if depths[i] == level]
-            if level > 1:   # forward the previous level's nodes that have children here
-                frontier = sorted({slot[parents[i]] for i in members if parents[i] in slot})
-                if frontier:
-                    logits_at.update(zip(frontier, self._expand(frontier)))
-            by_parent: dict[int, list[int]] = {}
-            for i in members:
-                if parents[i] < 0 or parents[i] in slot:
-                    by_parent.setdefault(slot[parents[i]] if parents[i] >= 0 else -1, []).append(i)
-            for node, kids in by_parent.items():
-                drawn, q = self._children(logits_at[node], max(ranks[i] for i in kids) + 1, sampling, generator)
-                for i in kids:
-                    if ranks[i] < len(drawn):
-                        slot[i] = self._add(drawn[ranks[i]], node, q)
-        return self._tree("topk" if sampling.greedy else "without_replacement", with_q=not sampling.greedy)
-
-    def _children(self, logits: Tensor, m: int, sampling: Sampling, generator) -> tuple[list[int], Tensor | None]:
-        """m ranked children: top-m (greedy) or m draws without replacement (as many as the support has)."""
-        if sampling.greedy:
-            return self._ids(logits.topk(min(m, logits.shape[-1])).indices), None
-        q = sampling.probs(self.head.expand(logits) if self.head is not None else logits)
-        m = min(m, int((q > 0).sum()))
-        return torch.multinomial(q, m, replacement=False, generator=generator).tolist(), q
-
-    def _dynamic(self, spec: TreeSpec, root_logits: Tensor) -> DraftTree:
-        logp = root_logits.float().log_softmax(-1).topk(min(spec.top_k, root_logits.shape[-1]))
-        frontier = [self._add(t, -1, score=s) for s, t in zip(logp.values.tolist(), self._ids(logp.indices))]
-        for _ in range(spec.depth - 1):
-            children = []
-            for f, logits in zip(frontier, self._expand(frontier)):
-                top = logits.float().log_softmax(-1).topk(min(spec.top_k, logits.shape[-1]))
-                base = self.nodes[f]["score"]
-                children += [self._add(t, f, score=base + s)
-                             for s, t in zip(top.values.tolist(), self._ids(top.indices))]
-            frontier = sorted(children, key=lambda c: -self.nodes[c]["score"])[: spec.top_k]
-        full = self._tree("topk", with_q=False)
-        scores = torch.tensor([n["score"] for n in self.nodes])
-        return subtree(full, *rerank(full.parents, scores.to(full.parents.device), spec.total_tokens))
-
-    def _tree(self, proposal: str, with_q: bool) -> DraftTree:
-        device = self.target.device
-        tokens = torch.tensor([n["token"] for n in self.nodes], dtype=torch.long, device=device)
-        parents = torch.tensor([n["parent"] for n in self.nodes], dtype=torch.long, device=device)
-        q = torch.stack([n["q"] for n in self.nodes]) if with_q and self.nodes else None
-        return DraftTree(tokens, parents, q, proposal if q is not None else "topk")
+        return drafting.propose(self, spec, sampling, generator)

@@ -8,7 +8,6 @@ target's tree forward, its logits), row 0 is the root and row i+1 is node i.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from dataclasses import dataclass, field
 
 import torch
@@ -46,8 +45,10 @@ class TreeSpec:
     def __post_init__(self):
         if self.kind not in TREE_KINDS:
             raise ValueError(f"tree kind {self.kind!r} is not one of {TREE_KINDS}")
-        if self.kind == "static" and self.choices is None:
-            self.choices = [list(c) for c in EAGLE_DEFAULT_CHOICES]
+        if self.kind == "static":
+            if self.choices is None:
+                self.choices = [list(c) for c in EAGLE_DEFAULT_CHOICES]
+            static_tree_layout(self.choices)           # a malformed list fails here, not in the first round
 
     @property
     def max_depth(self) -> int:
@@ -165,6 +166,14 @@ def tree_attention_bias(parents: Tensor, prefix_len: int, dtype: torch.dtype) ->
     return bias
 
 
+def additive(visible: Tensor, dtype: torch.dtype) -> Tensor:
+    """Boolean visibility [..., q, k] -> the additive float mask attention takes (0 = attend, dtype-min = masked),
+    shaped [B, 1, q, k] (B = 1 for a 2-D input)."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask if mask.dim() == 4 else mask.view(-1, 1, *mask.shape[-2:])
+
+
 def children_lists(parents: Tensor) -> list[list[int]]:
     """parents [N] -> N+1 lists of children (node indices), entry 0 for the root, entry i+1 for node i."""
     kids: list[list[int]] = [[] for _ in range(int(parents.shape[0]) + 1)]
@@ -193,64 +202,20 @@ def static_tree_layout(choices: list[list[int]]) -> tuple[Tensor, Tensor]:
     """Medusa-style choice list -> (parents [N], ranks [N]) with nodes ordered by depth, then path.
 
     Node for path [i1, ..., id] has the node of [i1, ..., i(d-1)] as parent and rank id (its top-id index).
-    Every prefix of a path must itself be in the list.
+    Every prefix of a path must itself be in the list, and so must every lower rank under the same parent
+    (a rank-r child is the r-th draw of its parent when sampling: verification goes through the draws in order).
     """
     paths = sorted({tuple(c) for c in choices}, key=lambda c: (len(c), c))
     index = {c: i for i, c in enumerate(paths)}
     parents, ranks = [], []
     for c in paths:
-        if not c:
-            raise ValueError("empty path in tree choices")
+        if not c or min(c) < 0:
+            raise ValueError(f"tree choice {list(c)}: a path is a non-empty list of ranks >= 0")
         if len(c) > 1 and c[:-1] not in index:
             raise ValueError(f"tree choice {list(c)} has no parent {list(c[:-1])} in the list")
+        if c[-1] > 0 and c[:-1] + (c[-1] - 1,) not in index:
+            raise ValueError(f"tree choice {list(c)} skips rank {c[-1] - 1}: {list(c[:-1] + (c[-1] - 1,))} must be "
+                             "in the list too")
         parents.append(index[c[:-1]] if len(c) > 1 else -1)
         ranks.append(c[-1])
     return torch.tensor(parents, dtype=torch.long), torch.tensor(ranks, dtype=torch.long)
-
-
-def static_tree(choices: list[list[int]], candidates: list[Tensor]) -> DraftTree:
-    """A Medusa-style (Cartesian) static tree: the token at depth d with rank r is candidates[d-1][r].
-
-    candidates: per depth, the ranked candidate tokens [>= max rank + 1] (e.g. head d's top-k), shared by
-    every parent at that depth because Medusa heads all read the same hidden state. Deterministic ("topk").
-    """
-    parents, ranks = static_tree_layout(choices)
-    depths = node_depths(parents)
-    tokens = torch.stack([candidates[int(d) - 1][int(r)] for d, r in zip(depths, ranks)]) if len(ranks) \
-        else torch.zeros(0, dtype=torch.long)
-    device = candidates[0].device if candidates else "cpu"
-    return DraftTree(tokens.to(device), parents.to(device), None, "topk")
-
-
-def rerank(parents: Tensor, scores: Tensor, total_tokens: int) -> tuple[Tensor, Tensor]:
-    """EAGLE-2 reranking: keep the best `total_tokens` candidates as a valid subtree.
-
-    parents [M] (-1 = root, parents precede children), scores [M] (cumulative log-probs along each path).
-    Returns (keep [n] node indices in creation order, so parents precede children; new_parents [n]
-    pointing into the kept list). Best-first over the frontier of the kept subtree, so a node is only kept
-    once its parent is: with scores non-increasing along paths this is exactly the top-`total_tokens`.
-    """
-    par = parents.tolist()
-    sc = scores.float().tolist()
-    kids = [[] for _ in range(len(par) + 1)]
-    for i, p in enumerate(par):
-        kids[p + 1].append(i)
-    heap = [(-sc[c], c) for c in kids[0]]
-    heapq.heapify(heap)
-    kept = []
-    while heap and len(kept) < total_tokens:
-        _, node = heapq.heappop(heap)
-        kept.append(node)
-        for c in kids[node + 1]:
-            heapq.heappush(heap, (-sc[c], c))
-    kept.sort()
-    where = {old: new for new, old in enumerate(kept)}
-    new_parents = [where[par[i]] if par[i] >= 0 else -1 for i in kept]
-    keep = torch.tensor(kept, dtype=torch.long, device=parents.device)
-    return keep, torch.tensor(new_parents, dtype=torch.long, device=parents.device)
-
-
-def subtree(tree: DraftTree, keep: Tensor, new_parents: Tensor) -> DraftTree:
-    """The tree restricted to `keep` (from `rerank`)."""
-    q = tree.q[keep] if tree.q is not None else None
-    return DraftTree(tree.tokens[keep], new_parents, q, tree.proposal)

@@ -12,7 +12,8 @@ import torch
 
 from draftlab import checkpoint as ckpt
 from draftlab.drafters.acceptance import AcceptanceHead, AdaptiveProposer, draft_and_label
-from draftlab.drafters.small_lm import SmallLM, SmallLMProposer
+from draftlab.drafters.small_lm import SmallLM
+from draftlab.proposers import CausalLMProposer
 from draftlab.evaluator import (GenerationResult, evaluate, evaluate_adaptive, run_baseline, speculative_generate,
                                 target_generate)
 from draftlab.report import build_report, calibration, report_markdown, save_plots, summary_line
@@ -218,7 +219,7 @@ def test_threshold_one_is_fixed_k_drafting(tiny_target, head, prompts, sampling)
     for i, p in enumerate(prompts):
         runs = [speculative_generate(model, proposer, p, spec, sampling, 20,
                                      generator=torch.Generator().manual_seed(i))
-                for proposer in (SmallLMProposer(head.base.model), head.proposer(model, adaptive_threshold=1.0))]
+                for proposer in (CausalLMProposer(head.base.model, head.base.draft_head), head.proposer(model, adaptive_threshold=1.0))]
         fixed, adaptive = runs
         assert adaptive.tokens == fixed.tokens
         assert adaptive.accepted == fixed.accepted and adaptive.draft_nodes == fixed.draft_nodes
@@ -287,10 +288,10 @@ def test_adaptive_and_fixed_k_side_by_side(tiny_target, head, prompts, tmp_path)
 
 
 def test_every_report_has_the_draft_cost_keys(tiny_target, prompts):
-    from draftlab.proposers import TargetCopyProposer
+    from draftlab.proposers import CausalLMProposer
 
     model = tiny_target[0]
-    report = evaluate(model, TargetCopyProposer(model), prompts[:1], spec=TreeSpec(draft_length=3),
+    report = evaluate(model, CausalLMProposer(model), prompts[:1], spec=TreeSpec(draft_length=3),
                       sampling=GREEDY, max_new_tokens=12, progress=False)
     assert report["mean_draft_length"] == 3 and report["wasted_draft_tokens"] == 0
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from draftlab import costs, evaluator
-from draftlab.proposers import PromptLookupProposer, TargetCopyProposer
+from draftlab.proposers import PromptLookupProposer, CausalLMProposer
 from draftlab.trees import TreeSpec
 from draftlab.verify import Sampling
 
@@ -49,7 +49,7 @@ def test_measured_costs_and_auto_choice_on_the_tiny_target(tiny_target):
     verify = costs.measure_verify_cost(model, prompts[0], [1, 3, 6], repeats=2)
     tree = costs.measure_verify_cost(model, prompts[0], [6], tree=True, repeats=2)
     assert set(verify) == {1, 3, 6} and all(v > 0 for v in verify.values()) and tree[6] > 0
-    shape = costs.auto_draft_length(model, TargetCopyProposer(model), prompts, Sampling(), max_length=4,
+    shape = costs.auto_draft_length(model, CausalLMProposer(model), prompts, Sampling(), max_length=4,
                                     max_new_tokens=12)
     assert 1 <= shape["chosen_draft_length"] <= 4 and set(shape["cost_model"]) == {1, 2, 3, 4}
     # the copy of the target is always accepted: every position's acceptance is 1
@@ -105,7 +105,7 @@ def test_side_by_side_shares_the_target_only_runs_and_rotates_the_order(tiny_tar
     monkeypatch.setattr(evaluator, "target_generate", lambda *a, **k: calls.append("T") or real_target(*a, **k))
     monkeypatch.setattr(evaluator, "speculative_generate",
                         lambda m, proposer, *a, **k: calls.append(proposer.name) or real_spec(m, proposer, *a, **k))
-    a, b = PromptLookupProposer(), TargetCopyProposer(model)
+    a, b = PromptLookupProposer(), CausalLMProposer(model)
     a.name, b.name = "A", "B"
     prompts = [torch.tensor(tok("The quick brown fox")["input_ids"])]
     drafts = {"a": (a, TreeSpec(draft_length=3)), "b": (b, TreeSpec(draft_length=2))}

@@ -270,12 +270,19 @@ def test_static_tree_is_autoregressive_per_branch(head, tiny_target):
     seq = torch.cat([prompt, proposer.tokens[-1:]])
     feats = _features(model, seq[None])[0]
 
-    tree = proposer.propose(TreeSpec(kind="static"), Sampling(temperature=0.7), None)
+    tree = proposer.propose(TreeSpec(kind="static"), Sampling(), None)
     paths = sorted((tuple(c) for c in EAGLE_DEFAULT_CHOICES), key=lambda p: (len(p), p))
     assert len(tree) == len(paths) and tree.q is None and tree.proposal == "topk"
     for node, path in enumerate(paths):
         ranked = _path_logits(head, feats, seq, tree, int(tree.parents[node])).argsort(descending=True)
         assert tree.tokens[node] == ranked[path[-1]]
+    # sampling: a rank-r child is the r-th draw without replacement from its parent's distribution
+    sampling = Sampling(temperature=0.7)
+    tree = proposer.propose(TreeSpec(kind="static"), sampling, torch.Generator().manual_seed(0))
+    assert len(tree) == len(paths) and tree.proposal == "without_replacement"
+    for node in range(len(tree)):
+        q = sampling.probs(_path_logits(head, feats, seq, tree, int(tree.parents[node])))
+        torch.testing.assert_close(tree.q[node], q, atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="no parent"):
         proposer.propose(TreeSpec(kind="static", choices=[[0], [1, 0]]), Sampling(), None)
 

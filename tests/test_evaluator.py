@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from draftlab.evaluator import (compact_cache, evaluate, report_markdown, run_baseline, speculative_generate,
                                 summary_line, target_generate, write_report)
-from draftlab.proposers import PromptLookupProposer, RandomProposer, TargetCopyProposer
+from draftlab.proposers import PromptLookupProposer, RandomProposer, CausalLMProposer
 from draftlab.report import save_plots
 from draftlab.trees import TreeSpec
 from draftlab.verify import Sampling
@@ -41,7 +41,7 @@ def greedy_outputs(tiny_target, prompts):
 
 
 def make_proposer(name, model):
-    return {"copy": lambda: TargetCopyProposer(model), "lookup": lambda: PromptLookupProposer(max_ngram=3),
+    return {"copy": lambda: CausalLMProposer(model), "lookup": lambda: PromptLookupProposer(max_ngram=3),
             "random": lambda: RandomProposer(model.config.vocab_size, seed=1)}[name]()
 
 
@@ -66,7 +66,7 @@ def test_greedy_speculation_is_lossless(tiny_target, prompts, greedy_outputs, tr
 def test_copy_chain_reaches_k_plus_one_for_every_k(tiny_target, prompts):
     model, _ = tiny_target
     for k in (1, 2, 5):
-        res = speculative_generate(model, TargetCopyProposer(model), prompts[0], TreeSpec(draft_length=k), GREEDY, 23)
+        res = speculative_generate(model, CausalLMProposer(model), prompts[0], TreeSpec(draft_length=k), GREEDY, 23)
         assert res.new_tokens / res.rounds == k + 1
 
 
@@ -75,7 +75,7 @@ def test_eos_stops_and_counts_whole_rounds(tiny_target, prompts, greedy_outputs)
     eos = greedy_outputs[0][6]
     ref = target_generate(model, prompts[0], 24, eos_token_ids=[eos]).tokens
     assert ref[-1] == eos and len(ref) <= 7
-    res = speculative_generate(model, TargetCopyProposer(model), prompts[0], TreeSpec(draft_length=4), GREEDY, 24,
+    res = speculative_generate(model, CausalLMProposer(model), prompts[0], TreeSpec(draft_length=4), GREEDY, 24,
                                eos_token_ids=[eos])
     assert res.tokens == ref
     assert res.new_tokens == 5 * res.rounds
@@ -154,7 +154,7 @@ def test_evaluate_report(tiny_target, prompts, tmp_path):
     spec = TreeSpec(draft_length=3)
     baseline = run_baseline(model, prompts, sampling=GREEDY, max_new_tokens=20, eos_token_ids=tok.eos_token_id,
                             progress=False)
-    report = evaluate(model, TargetCopyProposer(model), prompts, spec=spec, sampling=GREEDY, max_new_tokens=20,
+    report = evaluate(model, CausalLMProposer(model), prompts, spec=spec, sampling=GREEDY, max_new_tokens=20,
                       eos_token_ids=tok.eos_token_id, baseline=baseline, categories=["a", "b", "a"], progress=False)
     for key in REPORT_KEYS:
         assert key in report
@@ -190,7 +190,7 @@ def test_lossless_flag_catches_a_wrong_output(tiny_target, prompts):
 def test_seeded_sampling_is_reproducible(tiny_target, prompts, tree):
     model, _ = tiny_target
     spec, sampling = SPECS[tree], Sampling(temperature=1.0, top_p=0.9)
-    runs = [speculative_generate(model, TargetCopyProposer(model), prompts[1], spec, sampling, 12,
+    runs = [speculative_generate(model, CausalLMProposer(model), prompts[1], spec, sampling, 12,
                                  generator=torch.Generator().manual_seed(s)).tokens for s in (3, 3, 4)]
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
@@ -199,7 +199,7 @@ def test_sampled_copy_of_target_is_almost_always_accepted(tiny_target, prompts, 
     """Under sampling the copy's q equals the target's p, so min(1, p/q) is 1 up to float noise."""
     model, _ = tiny_target
     sampling = Sampling(temperature=0.8, top_k=50)
-    report = evaluate(model, TargetCopyProposer(model), prompts, spec=TreeSpec(draft_length=4), sampling=sampling,
+    report = evaluate(model, CausalLMProposer(model), prompts, spec=TreeSpec(draft_length=4), sampling=sampling,
                       max_new_tokens=20, progress=False)
     assert report["lossless"] is None and report["temperature"] == 0.8
     assert report["acceptance_length"] > 4.5

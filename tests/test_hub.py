@@ -19,7 +19,8 @@ from draftlab import hub
 from draftlab.checkpoint import save_drafter
 from draftlab.drafters import load_drafter
 from draftlab.drafters import DRAFTERS
-from draftlab.drafters.eagle import EagleHead, _additive
+from draftlab.drafters.eagle import EagleHead
+from draftlab.trees import additive
 
 TOKEN = "hf_FAKEtoken0123456789secret"
 REPORT = {"acceptance_length": 2.3456, "acceptance_length_macro": 2.2, "per_position_acceptance": [0.8, 0.5, 0.2],
@@ -80,7 +81,7 @@ def test_eagle_export_round_trips_and_official_layout(eagle_run, tiny_target, tm
     # The export is a checkpoint: load_drafter reaches draftlab/ through `best`; identical outputs.
     original, loaded = load_drafter(eagle_run, model).eval(), load_drafter(out, model).eval()
     feats, ids, pos = torch.randn(1, 6, 64), torch.randint(0, len(tok), (1, 6)), torch.arange(6)[None]
-    mask = _additive(torch.ones(6, 6, dtype=torch.bool).tril()[None], torch.float32)
+    mask = additive(torch.ones(6, 6, dtype=torch.bool).tril()[None], torch.float32)
     with torch.no_grad():
         torch.testing.assert_close(loaded(feats, ids, pos, mask), original(feats, ids, pos, mask), rtol=0, atol=0)
 
@@ -166,7 +167,7 @@ def test_eagle3_export_loads_in_speculators(tiny_tokenizer, tmp_path, monkeypatc
     assert not result.unexpected_keys and set(result.missing_keys) <= {"verifier_lm_head.weight",
                                                                         "verifier_norm.weight"}
     g, ids, pos = torch.randn(1, 7, 3 * 64), torch.randint(0, len(tiny_tokenizer), (1, 7)), torch.arange(7)[None]
-    mask = _additive(torch.ones(7, 7, dtype=torch.bool).tril()[None], torch.float32)
+    mask = additive(torch.ones(7, 7, dtype=torch.bool).tril()[None], torch.float32)
     with torch.no_grad():
         x = torch.cat([theirs.embed_tokens(ids), theirs.fc(g)], -1)
         y = theirs.layers[0](x, attention_mask=mask, position_ids=pos, position_embeddings=theirs.rotary_emb(x, pos))

@@ -28,7 +28,8 @@ from safetensors.torch import load_file
 from conftest import build_tiny_llama
 from draftlab import hub
 from draftlab.drafters import DRAFTERS
-from draftlab.drafters.eagle import EagleHead, _additive
+from draftlab.drafters.eagle import EagleHead
+from draftlab.trees import additive
 from draftlab.drafters.eagle3 import EagleHead3
 from draftlab.drafters.medusa import MedusaHeads
 from draftlab.foreign import find_foreign
@@ -352,7 +353,7 @@ def test_eagle_export_in_the_reference_eagle_head(tiny_target, tmp_path):
     theirs.load_state_dict(load_file(str(out / "model.safetensors")), strict=True)    # every name, nothing extra
     feats = torch.randn(1, 24, 64)
     ids = torch.randint(0, len(tok), (1, 24))
-    mask = _additive(torch.ones(24, 24, dtype=torch.bool).tril()[None], torch.float32)
+    mask = additive(torch.ones(24, 24, dtype=torch.bool).tril()[None], torch.float32)
     with torch.no_grad():
         reference = theirs(feats, ids)
         close(head.logits(head(feats, ids, torch.arange(24)[None], mask)), head.logits(reference))

@@ -98,6 +98,19 @@ def test_tree_choices_from_accuracies():
     assert min(value(c) for c in chosen) >= best_left                   # the best prefix-closed set
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_tree_choices_have_no_rank_gaps(seed):
+    """Measured accuracies need not fall with the rank; the tree still takes a parent's ranks in order."""
+    from draftlab.trees import static_tree_layout
+
+    acc = torch.rand(4, 10, generator=torch.Generator().manual_seed(seed))
+    choices = choices_from_accuracy(acc, 24)
+    assert len(choices) == 24
+    chosen = {tuple(c) for c in choices}
+    assert all(c[:-1] + (c[-1] - 1,) in chosen for c in chosen if c[-1] > 0)
+    static_tree_layout(choices)                                          # and the layout accepts it
+
+
 def _train(heads, model, tok, dataset, steps: int):
     from draftlab.data import collate
 

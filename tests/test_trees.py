@@ -1,11 +1,11 @@
-"""Draft trees: structure helpers, reranking, and the tree attention mask + positions against brute force."""
+"""Draft trees: structure helpers, the static layout, and the tree attention mask + positions against brute force."""
 import pytest
 import torch
 from transformers import DynamicCache
 
-from draftlab.trees import (EAGLE_DEFAULT_CHOICES, DraftTree, TreeSpec, chain, children_lists, node_depths, rerank,
-                            root_to_leaf_paths, static_tree, static_tree_layout, subtree, tree_attention_bias,
-                            tree_attention_mask, tree_position_ids)
+from draftlab.trees import (EAGLE_DEFAULT_CHOICES, DraftTree, TreeSpec, chain, children_lists, node_depths,
+                            root_to_leaf_paths, static_tree_layout, tree_attention_bias, tree_attention_mask,
+                            tree_position_ids)
 
 
 def random_parents(n: int, seed: int) -> torch.Tensor:
@@ -83,16 +83,6 @@ def test_static_layout_of_default_choices():
         static_tree_layout([[0], [1, 0]])                       # [1] missing
 
 
-def test_static_tree_is_cartesian():
-    cands = [torch.tensor([10, 11, 12, 13]), torch.tensor([20, 21, 22]), torch.tensor([30, 31, 32])] + \
-        [torch.tensor([40, 41, 42])] * 2
-    tree = static_tree(EAGLE_DEFAULT_CHOICES, cands)
-    _, ranks = static_tree_layout(EAGLE_DEFAULT_CHOICES)
-    for tok, d, r in zip(tree.tokens.tolist(), tree.depths.tolist(), ranks.tolist()):
-        assert tok == int(cands[d - 1][r])
-    assert tree.proposal == "topk" and tree.q is None
-
-
 def test_tree_spec_defaults_and_depth():
     assert TreeSpec().max_depth == 5
     assert TreeSpec("static").choices == EAGLE_DEFAULT_CHOICES and TreeSpec("static").max_depth == 5
@@ -100,32 +90,6 @@ def test_tree_spec_defaults_and_depth():
     assert TreeSpec("chain", draft_length=2).to_dict()["draft_length"] == 2
     with pytest.raises(ValueError):
         TreeSpec("beam")
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_rerank_keeps_best_valid_subtree(seed):
-    g = torch.Generator().manual_seed(seed)
-    parents = random_parents(40, seed)
-    # cumulative log-probs: a child's score is its parent's plus a negative increment
-    scores = torch.zeros(40)
-    for i, p in enumerate(parents.tolist()):
-        scores[i] = (scores[p] if p >= 0 else 0) - torch.rand((), generator=g) - 0.01
-    keep, new_parents = rerank(parents, scores, 15)
-    assert len(keep) == 15 and keep.tolist() == sorted(keep.tolist())
-    assert set(keep.tolist()) == set(scores.topk(15).indices.tolist())       # monotone scores: exactly the top
-    for j, (old, np_) in enumerate(zip(keep.tolist(), new_parents.tolist())):
-        assert np_ < j
-        assert (np_ < 0 and parents[old] < 0) or keep[np_] == parents[old]
-    tree = DraftTree(torch.arange(40), parents, torch.rand(40, 3), "with_replacement")
-    small = subtree(tree, keep, new_parents)
-    assert small.tokens.tolist() == keep.tolist() and small.q.shape == (15, 3)
-
-
-def test_rerank_never_orphans_a_node():
-    # a child scoring above its parent must not be kept without it
-    parents = torch.tensor([-1, -1, 1])
-    keep, new_parents = rerank(parents, torch.tensor([-1.0, -3.0, -0.5]), 2)
-    assert keep.tolist() == [0, 1] and new_parents.tolist() == [-1, -1]
 
 
 def test_tree_forward_equals_per_branch_forward(tiny_target):

@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from draftlab.drafters.options import DrafterConfig, settings
-from draftlab.drafters.small_lm import SmallLMProposer
+from draftlab import drafting
 from draftlab.errors import ConfigError
+from draftlab.proposers import CausalLMProposer
 
 LABELS = ("sampled", "greedy")
 
@@ -220,8 +221,9 @@ class AcceptanceHead(nn.Module):
         return AdaptiveProposer(self.base.model, self, float(threshold), min_draft, self.base.draft_head)
 
 
-class AdaptiveProposer(SmallLMProposer):
-    """SmallLMProposer whose chains stop when 1 - prod(p_hat) > threshold (within [min_draft, draft_length]).
+class AdaptiveProposer(CausalLMProposer):
+    """The base drafter's proposer whose chains stop when 1 - prod(p_hat) > threshold (within [min_draft,
+    draft_length]).
 
     After a propose(), `predicted_acceptance` lists p_hat per draft node (NaN where it was not computed: the
     last token of a chain that reached draft_length, whose state the drafter never needed), None for trees;
@@ -243,17 +245,13 @@ class AdaptiveProposer(SmallLMProposer):
         self.predicted_acceptance = None
         if spec.kind != "chain":
             return super().propose(spec, sampling, generator)
-        logits = self._catch_up()
-        tokens, qs, predicted = [], [], []
-        survival = 1.0                                   # predicted chance that every draft so far is accepted
-        for i in range(spec.draft_length):
-            if i > 0:                                    # the drafter consumes token i-1: judge it, maybe stop
-                logits = self._logits([int(tokens[-1])])       # also keeps the drafter's state self.hidden
-                p_hat = float(torch.sigmoid(self.acceptance(self.hidden).float()))
-                predicted.append(p_hat)
-                survival *= p_hat
-                if i >= self.min_draft and 1.0 - survival > self.threshold:
-                    break
-            tokens.append(self._draw(logits, sampling, generator, qs))
-        self.predicted_acceptance = predicted + [math.nan] * (len(tokens) - len(predicted))
-        return self._chain(tokens, qs, logits.device)
+        predicted: list[float] = []
+
+        def stop(i: int) -> bool:
+            """The drafter has just read token i-1 (its state is `hidden`): judge that token, maybe stop."""
+            predicted.append(float(torch.sigmoid(self.acceptance(self.hidden).float())))
+            return i >= self.min_draft and 1.0 - math.prod(predicted) > self.threshold
+
+        tree = drafting.chain(self, spec.draft_length, sampling, generator, stop)
+        self.predicted_acceptance = predicted + [math.nan] * (len(tree) - len(predicted))
+        return tree

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from draftlab import vocab
+from draftlab import drafting, vocab
 from draftlab.drafters.options import DrafterConfig, DraftVocabOption, setting_names, settings
+from draftlab.trees import additive
 
 
 @dataclass
@@ -54,13 +54,6 @@ class EagleConfig(DraftVocabOption, DrafterConfig):
     draft node at depth j+1 sees them); 1 = plain EAGLE training (method_specs 2.4)."""
     topk_weight: float = 0.0
     """Weight of HASS's top-K distillation term (the soft CE on the target's 10 most likely tokens)."""
-
-
-def _additive(visible: Tensor, dtype: torch.dtype) -> Tensor:
-    """Boolean visibility [..., q, k] -> additive float mask (0 = attend, dtype-min = masked), [B, 1, q, k]."""
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    mask.masked_fill_(~visible, torch.finfo(dtype).min)
-    return mask if mask.dim() == 4 else mask.view(-1, 1, *mask.shape[-2:])
 
 
 def ttt_mask(valid: Tensor, step: int) -> Tensor:
@@ -90,7 +83,7 @@ def own_feature_steps(head: nn.Module, first: Tensor, input_ids: Tensor, valid: 
     for j in range(min(steps, n)):
         tokens = torch.zeros_like(input_ids[:, 1:])
         tokens[:, : n - j] = input_ids[:, 1 + j:]                     # x_{t+1+j}; past the row: ignored
-        mask = _additive(ttt_mask(valid, j)[:, None], dtype)
+        mask = additive(ttt_mask(valid, j)[:, None], dtype)
         hidden = head(hidden.detach() if detach and j > 0 else hidden, tokens, positions + j, mask, cache)
         outputs.append(hidden)
     return outputs
@@ -279,15 +272,16 @@ class EagleHead(nn.Module):
 
 
 class EagleProposer:
-    """Drafts chains and trees with an EagleHead over its own KV cache of real pairs (f_t, x_{t+1}).
+    """Drafts chains and trees (`drafting`) with an EagleHead over its own KV cache of real pairs (f_t, x_{t+1}).
 
     After each commit the cache holds exactly the pairs 0..N-1 of the committed sequence x_0..x_N, and the
     head's output at pair N-1, f^_N, gives the draft distribution of x_{N+1}. Drafting appends draft-only
     entries (a draft node at depth j is the pair (f^ of its parent, node token) at position N+j-1); the next
-    commit drops them before appending the new real pairs.
+    round drops them.
     """
 
     feature_layers = (-1,)
+    max_depth = None
 
     def __init__(self, head: EagleHead):
         self.head = head
@@ -318,7 +312,7 @@ class EagleProposer:
         positions = torch.arange(start, start + n, device=self.tokens.device)
         visible = torch.ones(n, start + n, dtype=torch.bool, device=self.tokens.device).tril(start)
         out = self.head(self.pending[:n][None], self.tokens[start + 1:start + 1 + n][None], positions[None],
-                        _additive(visible, self.head.fc.weight.dtype), self.cache)
+                        additive(visible, self.head.fc.weight.dtype), self.cache)
         self.pending = self.pending[n:] if n < len(self.pending) else None
         self.num_real += n
         self.root_hidden = out[0, -1]
@@ -329,138 +323,37 @@ class EagleProposer:
         if extra > 0:
             self.cache.crop(-extra)
 
-    def _step(self, hidden: Tensor, tokens: Tensor, depth: Tensor, ancestors: Tensor) -> Tensor:
-        """One batched draft forward of n nodes: hidden [n,d] (f^ of each node's parent), tokens [n], depth [n]
-        (1 = child of the root), ancestors [n, D] bool over the D draft entries already in the cache.
-        Appends n draft entries; returns the nodes' outputs f^ [n,d]."""
-        n = len(tokens)
-        real = torch.ones(n, self.num_real, dtype=torch.bool, device=tokens.device)
-        own = torch.eye(n, dtype=torch.bool, device=tokens.device)
-        visible = torch.cat([real, ancestors, own], dim=1)
-        positions = self.num_real + depth - 1
-        out = self.head(hidden[None], tokens[None], positions[None], _additive(visible, self.head.fc.weight.dtype),
-                        self.cache)
-        return out[0]
-
-    @torch.no_grad()
-    def propose(self, spec, sampling, generator: torch.Generator | None = None):
-        from draftlab.trees import DraftTree
-
+    def root(self) -> Tensor:
         if self.root_hidden is None or self.num_real != len(self.tokens) - 1:
             raise RuntimeError("EagleProposer.propose needs commit() with the features of every position "
                                "before the newest token")
         self._drop_drafts()
-        if spec.kind == "chain":
-            tokens, parents, q, proposal = self._chain(spec.draft_length, sampling, generator)
-        elif spec.kind == "dynamic":
-            tokens, parents = self._dynamic(spec.depth, spec.top_k, spec.total_tokens)
-            q, proposal = None, "topk"
-        elif spec.kind == "static":
-            tokens, parents = self._static(spec.choices)
-            q, proposal = None, "topk"
-        else:
-            raise ValueError(f"unknown tree kind {spec.kind!r}: expected chain, static or dynamic")
-        return DraftTree(tokens=tokens, parents=parents, q=q, proposal=proposal)
+        self.fed: list[int] = []                                  # this round's draft entries, in cache order
+        self.outputs: dict[int, Tensor] = {}                      # draft node -> the head's output f^ after it
+        return self.root_logits
 
-    def _chain(self, k: int, sampling, generator):
-        """k autoregressive steps, each feeding the head's own output feature back in. Greedy drafting stays in
-        the draft vocabulary's index space; sampling needs q over the target vocabulary (zero outside it)."""
+    def step(self, nodes: list[int], tree) -> Tensor:
+        """One batched head forward over draft nodes: each reads (f^ of its parent, its token) at position
+        N + depth - 1 and sees the real pairs, its fed ancestors and itself."""
         device = self.tokens.device
-        hidden, logits = self.root_hidden, self.root_logits
-        tokens, qs = [], []
-        for i in range(k):
-            if i > 0:
-                depth = torch.tensor([i], device=device)
-                ancestors = torch.ones(1, i - 1, dtype=torch.bool, device=device)
-                hidden = self._step(hidden[None], tokens[-1].view(1), depth, ancestors)[0]
-                logits = self.head.draft_logits(hidden).float()
-            if sampling.greedy:
-                tokens.append(self.head.to_target(logits.argmax()))
-            else:
-                qs.append(sampling.probs(self.head.logits_from_draft(logits)))
-                tokens.append(torch.multinomial(qs[-1], 1, generator=generator)[0])
-        parents = torch.arange(-1, k - 1, device=device)
-        if k <= 0:
-            return torch.zeros(0, dtype=torch.long, device=device), parents, None, "topk"
-        if sampling.greedy:
-            return torch.stack(tokens), parents, None, "topk"
-        return torch.stack(tokens), parents, torch.stack(qs), "with_replacement"
+        n = len(nodes)
+        tokens = torch.tensor([tree.tokens[i] for i in nodes], device=device)
+        depth = torch.tensor([tree.depths[i] for i in nodes], device=device)
+        hidden = torch.stack([self.outputs[p] if p >= 0 else self.root_hidden for p in (tree.parents[i] for i in nodes)])
+        visible = torch.cat([torch.ones(n, self.num_real, dtype=torch.bool, device=device),
+                             tree.sees(nodes, self.fed, device), torch.eye(n, dtype=torch.bool, device=device)], dim=1)
+        out = self.head(hidden[None], tokens[None], (self.num_real + depth - 1)[None],
+                        additive(visible, self.head.fc.weight.dtype), self.cache)[0]
+        self.outputs.update(zip(nodes, out))
+        self.fed += nodes
+        return self.head.draft_logits(out).float()
 
-    def _dynamic(self, depth: int, top_k: int, total: int):
-        """EAGLE-2: nodes at depths 1..depth; each level expands the top_k best-scored nodes of the level above
-        (top_k children each), a node's score is the cumulative draft log-probability of its path, and the
-        `total` best nodes are kept (a subtree, since scores never grow along a path)."""
-        device = self.tokens.device
-        k = min(top_k, self.head.vocab_size)
-        k = min(k, self.root_logits.shape[-1])
-        first = F.log_softmax(self.root_logits, -1).topk(k)
-        first_tokens = self.head.to_target(first.indices)
-        all_tokens, all_parents, all_scores = [first_tokens], [torch.full((k,), -1, device=device)], [first.values]
-        frontier = torch.arange(k, device=device)              # record index of each frontier node
-        tokens, scores = first_tokens, first.values
-        hidden = self.root_hidden.expand(k, -1)
-        ancestors = torch.zeros(k, 0, dtype=torch.bool, device=device)
-        recorded = k
-        for level in range(1, depth):
-            out = self._step(hidden, tokens, torch.full((k,), level, device=device), ancestors)
-            ancestors = torch.cat([ancestors, torch.eye(k, dtype=torch.bool, device=device)], dim=1)
-            child = F.log_softmax(self.head.draft_logits(out).float(), -1).topk(k)          # [k,k]
-            child_tokens = self.head.to_target(child.indices).flatten()
-            # clamp: a log-prob is never positive, so a child can never outscore its parent
-            cumulative = (scores[:, None] + child.values.clamp(max=0)).flatten()
-            all_tokens.append(child_tokens)
-            all_parents.append(frontier.repeat_interleave(k))
-            all_scores.append(cumulative)
-            best = cumulative.topk(k).indices
-            slot = best // k
-            frontier, tokens, scores = recorded + best, child_tokens[best], cumulative[best]
-            hidden, ancestors = out[slot], ancestors[slot]
-            recorded += k * k
-        scores, parents = torch.cat(all_scores), torch.cat(all_parents)
-        # Stable sort: on ties a parent (created earlier) ranks before its child, so the kept set is closed.
-        keep = torch.sort(scores, descending=True, stable=True).indices[:total].sort().values
-        new_index = torch.full_like(parents, -1)
-        new_index[keep] = torch.arange(len(keep), device=device)
-        kept_parents = parents[keep]
-        kept_parents = torch.where(kept_parents < 0, kept_parents, new_index[kept_parents.clamp(min=0)])
-        return torch.cat(all_tokens)[keep], kept_parents
+    def to_target(self, index: Tensor) -> Tensor:
+        return self.head.to_target(index)
 
-    def _static(self, choices: list[list[int]]):
-        """EAGLE-1 static tree: path [i1, ..., id] = the i_d-th most likely draft token given its parent's
-        path; the level below a node is drafted from that node (autoregressive per branch)."""
-        device = self.tokens.device
-        paths = sorted({tuple(c) for c in choices}, key=lambda p: (len(p), p))
-        index = {p: i for i, p in enumerate(paths)}
-        missing = [list(p) for p in paths if len(p) > 1 and p[:-1] not in index]
-        if missing:
-            raise ValueError(f"static tree choices {missing} have no parent path in the list")
-        parents = [index[p[:-1]] if len(p) > 1 else -1 for p in paths]
-        rank = torch.tensor([p[-1] for p in paths], device=device)
-        tokens = torch.zeros(len(paths), dtype=torch.long, device=device)
-        entry: dict[int, int] = {}                                # node -> its draft entry in the cache
-        outputs: dict[int, Tensor] = {}                           # node -> its output f^ [d]
-        num_entries = 0
-        for level in range(1, max(len(p) for p in paths) + 1):
-            nodes = [i for i, p in enumerate(paths) if len(p) == level]
-            if level == 1:
-                logits = self.root_logits[None]          # draft-vocabulary space, mapped to target ids below
-                rows = [0] * len(nodes)
-            else:
-                heads = sorted({parents[i] for i in nodes})       # nodes of the level above that have children
-                ancestors = torch.zeros(len(heads), num_entries, dtype=torch.bool, device=device)
-                for row, node in enumerate(heads):
-                    a = parents[node]
-                    while a >= 0:
-                        ancestors[row, entry[a]] = True
-                        a = parents[a]
-                hidden = torch.stack([outputs.get(parents[h], self.root_hidden) for h in heads])
-                out = self._step(hidden, tokens[heads], torch.full((len(heads),), level - 1, device=device),
-                                 ancestors)
-                for row, node in enumerate(heads):
-                    entry[node], outputs[node] = num_entries + row, out[row]
-                num_entries += len(heads)
-                logits = self.head.draft_logits(out).float()
-                rows = [heads.index(parents[i]) for i in nodes]
-            top = self.head.to_target(logits.topk(min(int(rank.max()) + 1, logits.shape[-1])).indices)
-            tokens[nodes] = top[rows, rank[nodes]]
-        return tokens, torch.tensor(parents, device=device)
+    def expand(self, logits: Tensor) -> Tensor:
+        return self.head.logits_from_draft(logits)
+
+    @torch.no_grad()
+    def propose(self, spec, sampling, generator: torch.Generator | None = None):
+        return drafting.propose(self, spec, sampling, generator)

@@ -36,6 +36,7 @@ target's LM-head rows (their initial value) elsewhere (`full_projections`).
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -44,9 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from draftlab import vocab
+from draftlab import drafting, vocab
 from draftlab.drafters.options import DrafterConfig, DraftVocabOption, LoraOptions, setting_names, settings
-from draftlab.trees import EAGLE_DEFAULT_CHOICES, DraftTree, chain, rerank, static_tree, subtree
+from draftlab.trees import EAGLE_DEFAULT_CHOICES, DraftTree, static_tree_layout
 
 TOPK = 10                      # ranks tallied per head, and the widest rank a static tree may use
 TALLY_DECAY = 0.99             # running accuracies weigh the last ~100 training steps
@@ -87,18 +88,20 @@ def prior_accuracy(num_heads: int, ranks: int = TOPK) -> Tensor:
 
 def choices_from_accuracy(acc: Tensor, num_nodes: int) -> list[list[int]]:
     """Greedy static tree (method_specs 1.5): acc [K, R] = P(head k's rank-i token is the label). Adds, best
-    first, the path of largest prod_k acc[k, i_k] among the children of the paths already chosen, so every
-    prefix of a chosen path is chosen. Returns num_nodes paths (fewer if K*R allows fewer), by depth then path."""
+    first, the path of largest prod_k acc[k, i_k] among the candidates: the first child of a chosen path and the
+    next rank after it, so every prefix of a chosen path and every lower rank under the same parent are chosen
+    (a static tree has no rank gaps). Returns num_nodes paths (fewer if K*R allows fewer), by depth then path."""
     acc = acc.float().clamp(min=0).tolist()
-    heap = [(-acc[0][i], (i,)) for i in range(len(acc[0]))]
-    heapq.heapify(heap)
+    heap = [(-acc[0][0], (0,), 1.0)] if acc and acc[0] else []      # (-value, path, value of its parent)
     chosen: list[tuple[int, ...]] = []
     while heap and len(chosen) < num_nodes:
-        neg, path = heapq.heappop(heap)
+        neg, path, above = heapq.heappop(heap)
         chosen.append(path)
-        if len(path) < len(acc):
-            for i in range(len(acc[len(path)])):
-                heapq.heappush(heap, (neg * acc[len(path)][i], path + (i,)))
+        level, rank = len(path) - 1, path[-1]
+        if rank + 1 < len(acc[level]):                               # the next rank under the same parent
+            heapq.heappush(heap, (-above * acc[level][rank + 1], path[:-1] + (rank + 1,), above))
+        if level + 1 < len(acc):                                     # the first child
+            heapq.heappush(heap, (neg * acc[level + 1][0], path + (0,), -neg))
     return [list(p) for p in sorted(chosen, key=lambda p: (len(p), p))]
 
 
@@ -276,7 +279,11 @@ class MedusaHeads(nn.Module):
     def tree_choices(self) -> list[list[int]]:
         """The static tree for the current accuracies (the loaded one until training measures new ones)."""
         if self.saved_choices is not None and not bool((self.seen > 0).all()):
-            return [list(c) for c in self.saved_choices]
+            try:
+                static_tree_layout(self.saved_choices)
+                return [list(c) for c in self.saved_choices]
+            except ValueError:       # saved before static trees had to be gap-free: rebuilt from the saved accuracies
+                pass
         return choices_from_accuracy(self.head_accuracy(), self.medusa_tree_nodes)
 
     def proposer(self, target=None, **opts) -> "MedusaProposer":
@@ -285,16 +292,16 @@ class MedusaHeads(nn.Module):
 
 class MedusaProposer:
     """Drafts from the heads at the newest target state: root = the newest token (the target's own head made
-    it), depth d+1 = head d. chain: each head's top-1 (or a draw from its processed distribution when sampling),
-    at most K tokens. static: Cartesian candidates (head d's rank-i token under every parent, method_specs 1.5),
-    from spec.choices or, for TreeSpec's default choices, the drafter's own measured tree. dynamic: EAGLE-2's
-    expansion and reranking with the heads' log-probs as path scores. Trees are deterministic ("topk")."""
+    it), a node at depth d drafts its children with head d (every node of a level reads the same head, method_specs
+    1.5), so drafting goes at most K levels deep. Chains, static and dynamic trees come from `drafting`; a static
+    tree without choices of its own (TreeSpec's default) is the drafter's measured tree."""
 
     feature_layers = (-1,)
 
     def __init__(self, heads: MedusaHeads):
         self.heads = heads
         self.choices = heads.tree_choices()
+        self.max_depth = heads.medusa_heads
         self.last = None
 
     def reset(self, prompt_ids: Tensor) -> None:
@@ -304,50 +311,26 @@ class MedusaProposer:
         if features is not None and len(features):
             self.last = features[-1]
 
-    @torch.no_grad()
-    def propose(self, spec, sampling, generator: torch.Generator | None = None) -> DraftTree:
+    def root(self) -> Tensor:
         if self.last is None:
             raise RuntimeError("MedusaProposer.propose needs commit() with the target's features first")
-        logits = self.heads.head_logits(self.last).float()        # [K, Vd]: draft indices, mapped by to_target
-        K = logits.shape[0]
-        if spec.kind == "chain":
-            k = min(spec.draft_length, K)
-            if sampling.greedy:
-                return chain(self.heads.to_target(logits[:k].argmax(-1)))
-            q = sampling.probs(self.heads.logits_from_draft(logits[:k]))        # [k, V], zero outside
-            return chain(torch.multinomial(q, 1, generator=generator)[:, 0], q)
-        if spec.kind == "static":
-            given = spec.choices is not None and [list(c) for c in spec.choices] != EAGLE_DEFAULT_CHOICES
-            choices = [list(c) for c in (spec.choices if given else self.choices) if len(c) <= K]
-            if not choices:
-                raise ValueError(f"static tree choices are all deeper than the {K} Medusa heads")
-            widest = max(max(c) for c in choices) + 1
-            if widest > logits.shape[-1]:
-                raise ValueError(f"static tree choices use rank {widest - 1}, beyond the vocabulary")
-            return static_tree(choices, list(self.heads.to_target(logits.topk(widest, dim=-1).indices)))
-        if spec.kind == "dynamic":
-            tree = self._dynamic(logits.log_softmax(-1), min(spec.depth, K), spec.top_k, spec.total_tokens)
-            return DraftTree(self.heads.to_target(tree.tokens), tree.parents)
-        raise ValueError(f"unknown tree kind {spec.kind!r}: expected chain, static or dynamic")
+        self.logits = self.heads.head_logits(self.last).float()   # [K, Vd]: draft indices, mapped by to_target
+        return self.logits[0]
 
-    @staticmethod
-    def _dynamic(logp: Tensor, depth: int, top_k: int, total: int) -> DraftTree:
-        """Level d holds head d's top_k tokens under each of the top_k best-scored nodes of level d-1 (score =
-        sum of the heads' log-probs along the path); the best `total` nodes are kept as a subtree."""
-        top = logp.topk(min(top_k, logp.shape[-1]), dim=-1)        # [K, k]
-        k, device = top.indices.shape[1], logp.device
-        tokens, parents, scores = [top.indices[0]], [torch.full((k,), -1, device=device)], [top.values[0]]
-        frontier, frontier_scores, made = torch.arange(k, device=device), top.values[0], k
-        for level in range(1, depth):
-            cumulative = (frontier_scores[:, None] + top.values[level][None, :]).flatten()   # [k*k]
-            tokens.append(top.indices[level].repeat(len(frontier)))
-            parents.append(frontier.repeat_interleave(k))
-            scores.append(cumulative)
-            best = cumulative.topk(min(k, len(cumulative))).indices
-            frontier, frontier_scores = made + best, cumulative[best]
-            made += len(cumulative)
-        full = DraftTree(torch.cat(tokens), torch.cat(parents))
-        return subtree(full, *rerank(full.parents, torch.cat(scores), total))
+    def step(self, nodes: list[int], tree) -> Tensor:
+        return self.logits[[tree.depths[i] for i in nodes]]
+
+    def to_target(self, index: Tensor) -> Tensor:
+        return self.heads.to_target(index)
+
+    def expand(self, logits: Tensor) -> Tensor:
+        return self.heads.logits_from_draft(logits)
+
+    @torch.no_grad()
+    def propose(self, spec, sampling, generator: torch.Generator | None = None) -> DraftTree:
+        if spec.kind == "static" and [list(c) for c in spec.choices] == EAGLE_DEFAULT_CHOICES:
+            spec = dataclasses.replace(spec, choices=self.choices)
+        return drafting.propose(self, spec, sampling, generator)
 
 
 class Medusa2Lora(MedusaHeads):

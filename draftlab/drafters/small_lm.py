@@ -44,6 +44,7 @@ from transformers import DynamicCache
 from draftlab import vocab
 from draftlab.drafters.options import DrafterConfig, DraftVocabOption, LoraOptions, settings
 from draftlab.errors import ConfigError
+from draftlab.proposers import CausalLMProposer
 
 MODES = ("offline_blackbox", "offline_whitebox", "online_whitebox", "online_blackbox")
 
@@ -461,8 +462,9 @@ class SmallLM(nn.Module):
         return loss, {"accept_est": 1.0 - tvd.item(), "acc": acc.item(), "tokens": float(mask.sum())}
 
     # --- evaluation and export ----------------------------------------------------------------------------
-    def proposer(self, target=None, **opts) -> "SmallLMProposer":
-        return SmallLMProposer(self.model, self.draft_head)
+    def proposer(self, target=None, **opts):
+        """Drafts with the model through its draft head."""
+        return CausalLMProposer(self.model, self.draft_head)
 
     def export_pretrained(self, folder: str | Path, tokenizer=None) -> Path:
         """Write a standard transformers folder (config, model.safetensors, generation config, tokenizer) that
@@ -476,87 +478,3 @@ class SmallLM(nn.Module):
         if tokenizer is not None:
             tokenizer.save_pretrained(str(folder))
         return folder
-
-
-class SmallLMProposer:
-    """Drafts with a causal LM over its own KV cache of the committed sequence, through a draft head.
-
-    Each step runs the model's decoder and `head` (the model's LM head on the draft vocabulary, or all of it)
-    at the newest position only. Chains: greedy argmax ("topk") or draws from q = the processed draft
-    distribution, zero outside the draft vocabulary ("with_replacement"). The cache keeps whatever prefix of
-    (committed tokens + last drafts) still matches the committed sequence, so accepted drafts are not recomputed.
-    Static / dynamic trees are drafted the same way as with the target (proposers.TargetCopyProposer over this
-    model and head, with its own cache).
-    """
-
-    feature_layers: tuple[int, ...] = ()
-
-    def __init__(self, model, head: vocab.DraftHead | None = None):
-        from draftlab.proposers import TargetCopyProposer
-
-        self.model = model
-        self.head = head if head is not None else vocab.DraftHead(model.get_output_embeddings(),
-                                                                  int(model.get_output_embeddings().weight.shape[0]))
-        self.trees = TargetCopyProposer(model, self.head)
-        self.hidden: Tensor | None = None                  # the decoder's last state [d] (after the final norm)
-        self.reset(torch.zeros(0, dtype=torch.long))
-
-    def reset(self, prompt_ids: Tensor) -> None:
-        self.seq = prompt_ids.reshape(-1).tolist()
-        self.cache = DynamicCache(config=self.model.config)
-        self.cached: list[int] = []                        # the tokens the cache holds, in order
-        self.verified = 0                                  # cached[:verified] are committed tokens
-        self.trees.reset(prompt_ids)
-
-    def commit(self, tokens: Tensor, features: Tensor | None = None) -> None:
-        self.seq.extend(tokens.reshape(-1).tolist())
-        self.trees.commit(tokens, features)
-
-    def _logits(self, new: list[int]) -> Tensor:
-        """Feed tokens [n] after the cache; draft logits [Vd] (float32) after the last one (`self.hidden` keeps
-        the state they were read from)."""
-        hidden, logits = vocab.lm_step(self.model, self.head, input_ids=torch.tensor([new], device=self.model.device),
-                                       past_key_values=self.cache, use_cache=True)
-        self.cached.extend(new)
-        self.hidden = hidden[0, -1]
-        return logits[0, -1].float()
-
-    def _catch_up(self) -> Tensor:
-        """Drop cached drafts that were not committed; feed the rest of the sequence (at least the root)."""
-        limit = min(len(self.cached), len(self.seq) - 1)
-        keep = min(self.verified, limit)
-        while keep < limit and self.cached[keep] == self.seq[keep]:
-            keep += 1
-        if len(self.cached) > keep:
-            self.cache.crop(-(len(self.cached) - keep))
-            del self.cached[keep:]
-        logits = self._logits(self.seq[keep:])
-        self.verified = len(self.seq)
-        return logits
-
-    def _draw(self, logits: Tensor, sampling, generator, qs: list[Tensor]) -> Tensor:
-        """One draft token (a target id) from draft logits [Vd]: the argmax, or a draw from q [V] (appended to qs)."""
-        if sampling.greedy:
-            return self.head.to_target(logits.argmax())
-        qs.append(sampling.probs(self.head.expand(logits)))
-        return torch.multinomial(qs[-1], 1, generator=generator)[0]
-
-    @staticmethod
-    def _chain(tokens: list[Tensor], qs: list[Tensor], device):
-        from draftlab.trees import chain
-
-        if not tokens:
-            return chain(torch.zeros(0, dtype=torch.long, device=device))
-        return chain(torch.stack(tokens), torch.stack(qs), "with_replacement") if qs else chain(torch.stack(tokens))
-
-    @torch.inference_mode()
-    def propose(self, spec, sampling, generator: torch.Generator | None = None):
-        if spec.kind != "chain":
-            return self.trees.propose(spec, sampling, generator)
-        logits = self._catch_up()
-        tokens, qs = [], []
-        for i in range(spec.draft_length):
-            if i > 0:
-                logits = self._logits([int(tokens[-1])])
-            tokens.append(self._draw(logits, sampling, generator, qs))
-        return self._chain(tokens, qs, logits.device)
