@@ -220,7 +220,7 @@ def stage_eval(args) -> list[dict]:
     from draftlab.evaluator import evaluate_side_by_side
     from draftlab.proposers import LookupFirstProposer, PromptLookupProposer
     from draftlab.target import load_target
-    from draftlab.train import eos_ids
+    from draftlab.target import eos_ids
     from draftlab.trees import TreeSpec
     from draftlab.verify import Sampling
 

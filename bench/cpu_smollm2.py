@@ -487,7 +487,7 @@ def row(report: dict, drafter: str, tree: str, prompt_set: str, info: dict | Non
 
 def load_prompt_set(name: str, path: str, args, tokenizer, target) -> dict:
     from draftlab.data import encode_prompt, load_prompts
-    from draftlab.train import eos_ids
+    from draftlab.target import eos_ids
 
     prompts = load_prompts(path, limit=args.num_prompts)  # first turns: `messages` holds the first user turn
     return {"name": name, "path": path, "id": [file_id(path), len(prompts)], "eos": eos_ids(tokenizer, target),

@@ -85,7 +85,7 @@ def cmd_eval(args) -> None:
     from draftlab.data import encode_prompt, load_prompts
     from draftlab.evaluator import evaluate, run_baseline
     from draftlab.target import load_target
-    from draftlab.train import eos_ids
+    from draftlab.target import eos_ids
     from draftlab.trees import TreeSpec
     from draftlab.verify import Sampling
 

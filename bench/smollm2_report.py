@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draftlab.report import fmt
+
 GOAL_SET = "mtbench"           # the goals are stated on MT-bench
 EAGLE_TAU_CHAIN, EAGLE_TAU_TREE, EAGLE_SPEEDUP, INLOOP_SHARE = 3.0, 3.6, 2.0, 0.05
 
@@ -43,13 +45,7 @@ def goals(rows: list[dict], header: dict) -> list[dict]:
 
 
 def _fmt(x, digits: int = 2) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, bool):
-        return "yes" if x else "NO"
-    if isinstance(x, float):
-        return f"{x:.{digits}f}"
-    return str(x)
+    return fmt(x, digits)
 
 
 def _tree(r: dict) -> str:

@@ -83,7 +83,7 @@ def save_drafter(drafter: torch.nn.Module, folder: str | Path, extra_files: dict
         shutil.rmtree(staging_folder(folder), ignore_errors=True)
         raise DiskFullError(f"no space left on device writing checkpoint {folder} (its partial "
                             f"{staging_folder(folder).name} was removed)") from None
-    _replace(tmp, folder)
+    replace_folder(tmp, folder)
     return folder
 
 
@@ -110,7 +110,7 @@ def _sync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _replace(tmp: Path, folder: Path) -> None:
+def replace_folder(tmp: Path, folder: Path) -> None:
     """Move tmp into folder's place; the old folder is removed only after the new one is complete.
     (A crash between the two renames leaves `NAME.old` and no `NAME`: `recover_interrupted_saves` undoes it.)"""
     if folder.exists():
@@ -304,10 +304,6 @@ def _warn_once(line: str) -> None:
     if line not in _warned:
         _warned.add(line)
         print(line, file=sys.stderr, flush=True)
-
-
-def save_trainer_state(folder: str | Path, state: dict) -> None:
-    torch.save(state, Path(folder) / STATE_NAME)
 
 
 def load_trainer_state(folder: str | Path) -> dict:

@@ -102,14 +102,13 @@ def parse_lengths(text: str) -> list[int]:
 
 def cmd_eval(argv: list[str]) -> None:
     from draftlab.checkpoint import resolve_checkpoint
-    from draftlab.drafters import load_drafter
+    from draftlab.drafters import DRAFTERS, load_drafter
     from draftlab.config import ConfigError
     from draftlab.data import encode_prompt, load_prompts
     from draftlab.evaluator import evaluate
     from draftlab.hub import checkpoint_target
     from draftlab.report import report_markdown, save_plots, summary_line, write_report
-    from draftlab.target import load_target
-    from draftlab.train import eos_ids
+    from draftlab.target import eos_ids, load_target
     from draftlab.trees import TreeSpec
     from draftlab.verify import Sampling
 
@@ -146,7 +145,7 @@ def cmd_eval(argv: list[str]) -> None:
         from draftlab.checkpoint import read_drafter_config
 
         kind = foreign.kind if foreign else read_drafter_config(folder).get("kind") if folder else "prompt_lookup"
-        if kind != "acceptance":
+        if not getattr(DRAFTERS.get(kind), "adaptive_length", False):
             raise ConfigError("--adaptive-threshold, --min-draft and --fixed-k need an acceptance-head checkpoint "
                               f"(drafter kind 'acceptance'); {args.checkpoint or '--proposer prompt_lookup'} is a "
                               f"'{kind}' drafter")

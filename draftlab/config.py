@@ -312,7 +312,7 @@ def load_yaml(path: str | Path, what: str):
 def _check_sections(layer: DictConfig, origin: str, section: str = "") -> None:
     """A section (target, data, train, ...) must be given keys, not a value: `train=3` or an empty `train:`
     in a recipe would otherwise replace the whole section."""
-    for f in fields(_section_class(section, "eagle")):
+    for f in fields(_section_class(section)):
         if not (is_dataclass(f.default_factory) and f.name in layer):
             continue
         key = ".".join(filter(None, [section, f.name]))
@@ -324,10 +324,11 @@ def _check_sections(layer: DictConfig, origin: str, section: str = "") -> None:
         _check_sections(node, origin, key)
 
 
-def _section_class(section: str, kind: str):
-    """The dataclass behind a dotted section name ('' = RunConfig; drafter = drafter.kind's config)."""
+def _section_class(section: str, kind: str | None = None):
+    """The dataclass behind a dotted section name ('' = RunConfig; drafter = drafter.kind's config, or the keys
+    every kind has when no kind is given)."""
     if section == "drafter":
-        return CONFIGS[kind]
+        return CONFIGS[kind] if kind else DrafterConfig
     node: Any = RunConfig
     for part in [p for p in section.split(".") if p]:
         node = {f.name: f for f in fields(node)}[part].default_factory
@@ -458,18 +459,13 @@ def validate(cfg) -> None:
         problem = range_problem(f"config key '{key}'", value, interval)
         if problem:
             raise ConfigError(problem)
-    if cfg.drafter.kind == "medusa2" and cfg.drafter.lora_r < 1:
-        raise ConfigError(f"config key 'drafter.lora_r' is {cfg.drafter.lora_r}: drafter.kind=medusa2 trains LoRA "
-                          "adapters on the target, so it must be at least 1 (e.g. drafter.lora_r=32)")
+    problem = CONFIGS[cfg.drafter.kind].run_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
     if cfg.hub.repo_id:
         problem = repo_id_problem(cfg.hub.repo_id, "config key hub.repo_id")
         if problem:
             raise ConfigError(problem)
-    if cfg.drafter.kind == "small_lm" and cfg.drafter.distill_mode == "offline_whitebox" and not cfg.data.store:
-        raise ConfigError("drafter.distill_mode=offline_whitebox reads the target's top-k logits from a store: "
-                          "set data.store=PATH (built on first use)")
-    if cfg.drafter.kind == "acceptance" and not cfg.drafter.base:
-        raise ConfigError("drafter.kind=acceptance needs drafter.base=RUN_OR_STEP_FOLDER (a trained small_lm drafter)")
     if cfg.hub.push != "none" and not cfg.hub.repo_id:
         raise ConfigError(f"hub.push={cfg.hub.push} needs hub.repo_id=ORG/NAME (or hub.push=none)")
     if not cfg.target.path:

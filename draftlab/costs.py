@@ -17,7 +17,6 @@ few calibration prompts for the per-position acceptance; `choose_draft_length` c
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -136,10 +135,10 @@ def pilot(target, proposer, prompts: list[Tensor], spec: TreeSpec, sampling: Sam
           eos_token_ids=None, seed: int = 0) -> dict:
     """Real speculative decoding of a few calibration prompts with `spec`: tau, per-position acceptance, and the
     mean seconds per round, drafting and verifying included (the prompts' prefills excluded)."""
-    from draftlab.evaluator import _generator, speculative_generate
+    from draftlab.evaluator import prompt_generator, speculative_generate
 
     results = [speculative_generate(target, proposer, p, spec, sampling, max_new_tokens, eos_token_ids,
-                                    _generator(target.device, seed, i)) for i, p in enumerate(prompts)]
+                                    prompt_generator(target.device, seed, i)) for i, p in enumerate(prompts)]
     rounds = sum(r.rounds for r in results)
     accepted = [a for r in results for a in r.accepted]
     depth = spec.max_depth
@@ -257,11 +256,3 @@ def _draft_tree_cost(target, proposer, prompt_ids: Tensor, spec: TreeSpec, sampl
     measure_draft_cost(target, proposer, prompt_ids, [1], sampling, repeats=1)     # reset + commit the prompt
     generator = torch.Generator(device=target.device).manual_seed(0)
     return _timed(lambda: proposer.propose(spec, sampling, generator), repeats)
-
-
-def spec_from_dict(tree: dict) -> TreeSpec:
-    return TreeSpec(**tree)
-
-
-def with_draft_length(spec: TreeSpec, k: int) -> TreeSpec:
-    return replace(spec, kind="chain", draft_length=k)

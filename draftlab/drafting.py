@@ -131,7 +131,8 @@ def static(steps, choices: list[list[int]], sampling: Sampling, generator: torch
     root = steps.root()
     logits_after = {-1: root}                         # node index -> its draft logits
     for level in range(1, _deepest(steps, max(depths, default=0)) + 1):
-        members = [i for i, d in enumerate(depths) if d == level and (layout_parents[i] < 0 or layout_parents[i] in made)]
+        members = [i for i, d in enumerate(depths)
+                   if d == level and (layout_parents[i] < 0 or layout_parents[i] in made)]
         if level > 1:      # feed the nodes of the level above that have children on this level
             fed = sorted({made[layout_parents[i]] for i in members})
             if fed:

@@ -12,13 +12,14 @@ import math
 import os
 import time
 from dataclasses import dataclass, field, replace
+from statistics import median
 
 import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from draftlab.report import build_report, report_markdown, save_plots, summary_line, write_report  # noqa: F401
+from draftlab.report import build_report
 from draftlab.target import target_features
 from draftlab.trees import TreeSpec, tree_attention_bias, tree_position_ids
 from draftlab.verify import Sampling, accept
@@ -193,7 +194,7 @@ def target_generate(target, prompt_ids: Tensor, max_new_tokens: int, eos_token_i
     return result
 
 
-def _generator(device: torch.device, seed: int, index: int) -> torch.Generator:
+def prompt_generator(device: torch.device, seed: int, index: int) -> torch.Generator:
     """One generator per prompt, so a prompt's draws do not depend on which prompts ran before it."""
     return torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
 
@@ -207,8 +208,8 @@ def run_baseline(target, prompts: list[Tensor], *, sampling: Sampling, max_new_t
     device = target.device
     if warmup and prompts:
         target_generate(target, prompts[0], min(4, max_new_tokens), eos_token_ids, sampling,
-                        _generator(device, seed, 0))
-    results = [target_generate(target, p, max_new_tokens, eos_token_ids, sampling, _generator(device, seed, i))
+                        prompt_generator(device, seed, 0))
+    results = [target_generate(target, p, max_new_tokens, eos_token_ids, sampling, prompt_generator(device, seed, i))
                for i, p in enumerate(tqdm(prompts, desc="target-only", disable=not progress, leave=False))]
     seconds = sum(r.seconds for r in results)
     return {
@@ -237,46 +238,27 @@ def load_average() -> float | None:
         return None
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
-def interleaved_runs(target, proposer, prompts: list[Tensor], *, spec: TreeSpec, sampling: Sampling,
-                     max_new_tokens: int, eos_token_ids=None, seed: int = 0, repeats: int = 1,
-                     progress: bool = True, warmup: bool = True) -> tuple[list, list, dict]:
-    """Target-only and speculative decoding of every prompt, timed alternately prompt by prompt, `repeats` times
-    each (T S, then S T, ...: neither side always runs second on warm caches). Both sides are deterministic given
-    the per-prompt seed, so every repeat decodes the same tokens and only the clock differs.
-
-    Returns (speculative results of the first repeat, target-only results of the first repeat, timing) where
-    timing = {tokens_per_second, baseline_tokens_per_second, speedup: the medians over repeats, speedup_min,
-    speedup_max, speedups (per repeat), timing_repeats, timing: "interleaved", load_average: [before, after]}.
-    """
-    runs, base, timings = interleaved_side_by_side(
-        target, {"": (proposer, spec)}, prompts, sampling=sampling, max_new_tokens=max_new_tokens,
-        eos_token_ids=eos_token_ids, seed=seed, repeats=repeats, progress=progress, warmup=warmup)
-    return runs[""], base, timings[""]
-
-
 def interleaved_side_by_side(target, drafts: dict, prompts: list[Tensor], *, sampling: Sampling, max_new_tokens: int,
                              eos_token_ids=None, seed: int = 0, repeats: int = 1, progress: bool = True,
                              warmup: bool = True) -> tuple[dict, list, dict]:
-    """`interleaved_runs` for several drafters at once, sharing the target-only runs: drafts = {label: (proposer,
-    TreeSpec)}; for each prompt and repeat, target-only decoding and every drafter run one after another (the order
-    rotates each repeat), so every speedup is against the same target-only runs under the same load.
-    Returns ({label: first-repeat results}, first-repeat target-only results, {label: timing})."""
+    """Target-only decoding and every drafter (drafts = {label: (proposer, TreeSpec)}), timed alternately prompt by
+    prompt, `repeats` times each, the order rotating each repeat (neither side always runs second on warm caches),
+    so every speedup is against the same target-only runs under the same load. Every side is deterministic given
+    the per-prompt seed, so every repeat decodes the same tokens and only the clock differs.
+    Returns ({label: first-repeat results}, first-repeat target-only results, {label: timing}) where timing =
+    {tokens_per_second, baseline_tokens_per_second, speedup: the medians over repeats, speedup_min, speedup_max,
+    speedups (per repeat), timing_repeats, timing: "interleaved", load_average: [before, after]}."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: time at least one repeat (or pass a baseline and repeats=0)")
     device = target.device
     load_before = load_average()
     labels = list(drafts)
     if warmup and prompts:
-        target_generate(target, prompts[0], min(4, max_new_tokens), eos_token_ids, sampling, _generator(device, seed, 0))
+        target_generate(target, prompts[0], min(4, max_new_tokens), eos_token_ids, sampling,
+                        prompt_generator(device, seed, 0))
         for proposer, spec in drafts.values():
             speculative_generate(target, proposer, prompts[0], spec, sampling, min(4, max_new_tokens), eos_token_ids,
-                                 _generator(device, seed, 0))
+                                 prompt_generator(device, seed, 0))
     runs = {key: [[None] * len(prompts) for _ in range(repeats)] for key in [None] + labels}   # None: target-only
     bar = tqdm(total=len(prompts) * repeats, desc="target-only | speculating", disable=not progress, leave=False)
     for i, p in enumerate(prompts):
@@ -286,11 +268,11 @@ def interleaved_side_by_side(target, drafts: dict, prompts: list[Tensor], *, sam
             for key in order[shift:] + order[:shift]:
                 if key is None:
                     out = target_generate(target, p, max_new_tokens, eos_token_ids, sampling,
-                                          _generator(device, seed, i))
+                                          prompt_generator(device, seed, i))
                 else:
                     proposer, spec = drafts[key]
                     out = speculative_generate(target, proposer, p, spec, sampling, max_new_tokens, eos_token_ids,
-                                               _generator(device, seed, i))
+                                               prompt_generator(device, seed, i))
                 runs[key][r][i] = out
             bar.update(1)
     bar.close()
@@ -306,9 +288,9 @@ def interleaved_side_by_side(target, drafts: dict, prompts: list[Tensor], *, sam
         spec_tps = [tps(results) for results in runs[key]]
         speedups = [s / b for s, b in zip(spec_tps, base_tps) if s and b]
         timings[key] = {
-            "tokens_per_second": _median([t for t in spec_tps if t]) if any(spec_tps) else None,
-            "baseline_tokens_per_second": _median([t for t in base_tps if t]) if any(base_tps) else None,
-            "speedup": _median(speedups) if speedups else None,
+            "tokens_per_second": median([t for t in spec_tps if t]) if any(spec_tps) else None,
+            "baseline_tokens_per_second": median([t for t in base_tps if t]) if any(base_tps) else None,
+            "speedup": median(speedups) if speedups else None,
             "speedup_min": min(speedups) if speedups else None,
             "speedup_max": max(speedups) if speedups else None,
             "speedups": speedups,
@@ -343,7 +325,7 @@ def evaluate(target, proposer, prompts: list[Tensor], *, spec: TreeSpec, samplin
     """Speculate on every prompt ([P_i] each) and return the report dict (see report.build_report).
 
     repeats >= 1 (default): target-only and speculative decoding are timed interleaved, prompt by prompt,
-    `repeats` times (`interleaved_runs`); the speedup is the median over repeats, with its min and max.
+    `repeats` times (`interleaved_side_by_side`); the speedup is the median over repeats, with its min and max.
     repeats = 0: only speculative decoding runs here; its speed is compared with `baseline`'s timing (from
     `run_baseline`, same prompts / sampling / max_new_tokens), which the report marks as reused: the in-loop
     evaluations of a training run do this to save the target-only runs.
@@ -352,9 +334,10 @@ def evaluate(target, proposer, prompts: list[Tensor], *, spec: TreeSpec, samplin
     wall = time.perf_counter()
     device = target.device
     if repeats >= 1:
-        results, base_results, timing = interleaved_runs(
-            target, proposer, prompts, spec=spec, sampling=sampling, max_new_tokens=max_new_tokens,
+        results, base_results, timing = interleaved_side_by_side(
+            target, {"": (proposer, spec)}, prompts, sampling=sampling, max_new_tokens=max_new_tokens,
             eos_token_ids=eos_token_ids, seed=seed, repeats=repeats, progress=progress, warmup=warmup)
+        results, timing = results[""], timing[""]
         outputs = [r.tokens for r in base_results]
         if baseline is not None:   # given reference outputs too: an output must match both to count as lossless
             _check_baseline(baseline, prompts, sampling, max_new_tokens)
@@ -367,9 +350,9 @@ def evaluate(target, proposer, prompts: list[Tensor], *, spec: TreeSpec, samplin
         load_before = load_average()
         if warmup and prompts:
             speculative_generate(target, proposer, prompts[0], spec, sampling, min(4, max_new_tokens),
-                                 eos_token_ids, _generator(device, seed, 0))
+                                 eos_token_ids, prompt_generator(device, seed, 0))
         results = [speculative_generate(target, proposer, p, spec, sampling, max_new_tokens, eos_token_ids,
-                                        _generator(device, seed, i))
+                                        prompt_generator(device, seed, i))
                    for i, p in enumerate(tqdm(prompts, desc="speculating", disable=not progress, leave=False))]
         timing = {"timing": "baseline reused", "timing_repeats": 0, "load_average": [load_before, load_average()]}
     report = build_report(results, baseline, spec=spec, sampling=sampling, categories=categories,

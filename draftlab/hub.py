@@ -4,8 +4,8 @@
                   [--format auto|draftlab|speculators|eagle|medusa|hf] [--to DIR] [--target PATH]
                   [--base-model HUB_ID] [--eval REPORT.json ...] [--license L]
 
-An export folder holds, at its top, the files a serving engine loads (one exporter per drafter kind, in
-EXPORTERS), the model card README.md and its acceptance plot. The draftlab checkpoint itself (drafter_config.json,
+An export folder holds, at its top, the files a serving engine loads (each drafter kind writes its format in its
+`export`), the model card README.md and its acceptance plot. The draftlab checkpoint itself (drafter_config.json,
 model.safetensors, eval.json, the run's config.yaml, extra eval reports) sits in `draftlab/`, and a `best` file
 naming that folder makes the whole export a checkpoint again: `draftlab eval --checkpoint EXPORT` works on it,
 and `draftlab push EXPORT --repo-id ...` uploads it as it is (the retry command printed after a failed upload).
@@ -21,20 +21,16 @@ import shlex
 import shutil
 from functools import cached_property
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from draftlab import checkpoint as ckpt
 from draftlab import model_card
 from draftlab.config import REPO_ID_RE, load_yaml, repo_id_problem
-from draftlab.drafters import load_drafter
+from draftlab.drafters import DRAFTERS, load_drafter
 from draftlab.errors import HubError, OneLineParser, describe_disk_full, is_disk_full
 from draftlab.model_card import MARKER, NATIVE_DIR, REPORTS_DIR
-
-SPECULATORS_VERSION = "0.9.0"    # the speculators release whose config classes the EAGLE-3 export was checked with
-
 
 # ----------------------------------------------------------------------------------------------------------
 # the checkpoint being exported
@@ -108,6 +104,10 @@ class Source:
             raise HubError(f"cannot read the target's config from {self.target_path} ({type(e).__name__}): pass "
                            "--target with the target's local folder") from None
 
+    def drafter(self, model):
+        """The checkpoint's drafter, loaded onto `model` (a target from `target()`)."""
+        return load_drafter(self.folder, model)
+
     def target_config(self):
         return self.full_config.get_text_config()
 
@@ -154,214 +154,7 @@ def verifier_name(base_model: str | None, target_path: str, recorded: str = "") 
                    "configs could not name it: pass --base-model with its Hub id (ORG/NAME) or a local folder")
 
 
-# ----------------------------------------------------------------------------------------------------------
-# exporters: kind -> (format name, function(src, out, meta) -> details for the card)
-
-
-def export_eagle(src: Source, out: Path, meta: dict) -> dict:
-    """EAGLE-1/2 in the layout of the official EAGLE code: SafeAILab/EAGLE eagle/model/cnets1.py `Model`
-    (loaded by eagle/model/ea_model.py `EaModel.from_pretrained(use_eagle3=False, ...)`, which reads config.json
-    and pytorch_model.bin or model.safetensors). Its names are ours (fc.*, layers.{i}.*, no input_layernorm in
-    layer 0) plus embed_tokens.weight, the target's embedding, which the older strict loaders require. A head
-    trained without an FC bias gets a zero fc.bias (the same function) so loaders that build the bias get one."""
-    text = src.target_config()
-    weights = dict(src.weights)
-    d, layers = text.hidden_size, src.config.get("num_layers", 1)
-    weights.setdefault("fc.bias", torch.zeros(d, dtype=weights["fc.weight"].dtype))
-    model, _ = src.target()
-    weights["embed_tokens.weight"] = model.get_input_embeddings().weight.detach().to("cpu", weights["fc.weight"].dtype)
-    qkv_bias = "layers.0.self_attn.q_proj.bias" in weights
-    names = [f"self_attn.{n}_proj.weight" for n in "qkvo"] + [f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
-    names += ["post_attention_layernorm.weight"] + ([f"self_attn.{n}_proj.bias" for n in "qkv"] if qkv_bias else [])
-    expected = {"fc.weight", "fc.bias", "embed_tokens.weight"} | {f"layers.{i}.{n}" for i in range(layers)
-                                                                 for n in names + ["input_layernorm.weight"] * (i > 0)}
-    if set(weights) != expected:
-        odd = sorted(set(weights) ^ expected)[:3]
-        raise HubError(f"this eagle head has weights the official EAGLE code does not know ({odd}): its target "
-                       f"architecture ({text.model_type}) is not a Llama-style one; export with --format draftlab")
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"), {"format": "pt"})
-    config = {"architectures": src.architectures() or ["LlamaForCausalLM"], **layer_config(text, layers),
-              "bias": True, "qkv_bias": qkv_bias, "torch_dtype": str(weights["fc.weight"].dtype).removeprefix("torch.")}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return {"fc_bias": bool(src.config.get("fc_bias", True)), "num_layers": layers}
-
-
-def legacy_rope(text) -> dict:
-    """rope_theta / rope_scaling as pre-5.0 configs (and the official EAGLE code: {type, factor}) spell them."""
-    rope = dict(getattr(text, "rope_parameters", None) or {})
-    kind = rope.pop("rope_type", "default")
-    theta = rope.pop("rope_theta", getattr(text, "rope_theta", 10000.0))
-    return {"rope_theta": theta, "rope_scaling": None if kind == "default" else {"type": kind, **rope}}
-
-
-LAYER_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "initializer_range",
-                     "rms_norm_eps", "attention_bias", "attention_dropout", "mlp_bias", "pretraining_tp", "use_cache",
-                     "rope_parameters", "bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def layer_config(text, num_layers: int) -> dict:
-    """The target's text config for a `num_layers` draft stack: the keys of the speculators template, today's
-    rope_parameters and the legacy rope keys that older transformers and the official EAGLE code read."""
-    full = text.to_dict()
-    config = {key: full[key] for key in LAYER_CONFIG_KEYS if key in full}
-    config.update(num_hidden_layers=num_layers, tie_word_embeddings=False, **legacy_rope(text))
-    if full.get("layer_types"):
-        config["layer_types"] = full["layer_types"][:num_layers]
-    return config
-
-
-def export_eagle3(src: Source, out: Path, meta: dict) -> dict:
-    """EAGLE-3 in the speculators format that vLLM serves. Config: vllm-project/speculators
-    src/speculators/config.py (`SpeculatorModelConfig`, `SpeculatorsConfig`, `VerifierConfig`),
-    src/speculators/models/eagle3/config.py (`Eagle3SpeculatorConfig`), proposals/greedy.py; the full template is
-    NVIDIA/TensorRT-Model-Optimizer examples/speculative_decoding/scripts/convert_to_vllm_ckpt.py. Weights:
-    speculators/models/eagle3/core.py + model_definitions.py: fc, layers.0.* whose input_layernorm normalises the
-    token embedding and hidden_norm the fused state (our emb_norm and layer.input_layernorm), norm, lm_head, and
-    d2t (int64 [Vd], target id = draft id + d2t) / t2d (bool [V]) when the draft vocabulary is reduced."""
-    renamed = {"emb_norm.weight": "layers.0.input_layernorm.weight",
-               "layer.input_layernorm.weight": "layers.0.hidden_norm.weight"}
-    weights = {renamed.get(k, k.replace("layer.", "layers.0.", 1) if k.startswith("layer.") else k): v.contiguous()
-               for k, v in src.weights.items()}
-    text = src.target_config()
-    vocab_size = text.vocab_size
-    # the draft's (frozen) token embedding is the target's: carried, so speculators' loader need not refill it from
-    # the verifier (the issue saw it left at zero without it)
-    embed = src.target()[0].get_input_embeddings().weight.detach()
-    weights["embed_tokens.weight"] = embed.to("cpu", weights["fc.weight"].dtype).contiguous()
-    draft_vocab = src.config.get("draft_vocab")
-    if draft_vocab:
-        ids = torch.tensor(sorted(draft_vocab), dtype=torch.long)
-        weights["d2t"] = ids - torch.arange(len(ids))
-        weights["t2d"] = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
-    save_file(weights, str(out / "model.safetensors"), {"format": "pt"})
-    k = int(meta.get("draft_length") or 5)
-    config = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
-                                  "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": src.verifier, "architectures": src.architectures()},
-        },
-        "transformer_layer_config": layer_config(text, 1),
-        "draft_vocab_size": len(draft_vocab) if draft_vocab else vocab_size,
-        # draftlab's own heads keep the un-normalised fused state as the first layer's residual (vLLM's default is
-        # True) and use neither extra norm; heads imported from speculators keep their settings
-        "norm_before_residual": bool(src.config.get("norm_before_residual", False)),
-        "norm_before_fc": bool(src.config.get("norm_before_fc", False)),
-        "norm_output": bool(src.config.get("norm_output", False)),
-        "target_hidden_size": text.hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(src.config["aux_layers"]),
-        "torch_dtype": str(weights["fc.weight"].dtype).removeprefix("torch."),
-    }
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    aux = list(src.config["aux_layers"])
-    return {"aux_layers": aux, "draft_vocab_size": config["draft_vocab_size"], "repeated_aux": len(set(aux)) < len(aux)}
-
-
-def export_medusa(src: Source, out: Path, meta: dict) -> dict:
-    """Medusa heads as FasterDecoding/Medusa writes them (medusa/train/train_legacy.py): config.json with
-    medusa_num_heads, medusa_num_layers, base_model_name_or_path, and the `medusa_head` ModuleList's state dict
-    ({k}.{j}.linear.weight/bias per ResBlock, {k}.{L}.weight for the vocabulary projection) in
-    medusa_lm_head.safetensors (read by TGI and TensorRT-LLM) and medusa_lm_head.pt (read by
-    medusa/model/medusa_model*.py). Medusa-2 also needs its adapted target: the LoRA weights are merged into a
-    fresh copy of the target, saved here as a transformers folder, and base_model_name_or_path names this repo (this
-    folder's path for a local export)."""
-    heads = {k.removeprefix("heads."): v.contiguous() for k, v in src.weights.items() if k.startswith("heads.")}
-    if src.config.get("draft_vocab"):            # the format has no draft vocabulary: full projections, lossless
-        from draftlab.drafters.medusa import full_projections
-
-        heads = full_projections(heads, src.config["draft_vocab"], src.target()[0].get_output_embeddings().weight,
-                                 src.config["medusa_layers"])
-    save_file(heads, str(out / "medusa_lm_head.safetensors"), {"format": "pt"})
-    torch.save(heads, out / "medusa_lm_head.pt")
-    base = src.verifier
-    if src.kind == "medusa2":
-        base = meta.get("repo_id") or str(Path(meta["export_dir"]).resolve())   # this folder, until pushed
-        model, tokenizer = src.target(fresh=True)        # load_drafter installs the adapters in place
-        drafter = load_drafter(src.folder, model)
-        drafter.merge_adapters()
-        unwrap_lora(model)
-        model.save_pretrained(str(out))
-        tokenizer.save_pretrained(str(out))
-        add_legacy_keys(out)
-    config = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
-    config.update(medusa_num_heads=src.config["medusa_heads"], medusa_num_layers=src.config["medusa_layers"],
-                  base_model_name_or_path=base, version="2")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "medusa_choices.json").write_text(json.dumps(src.config.get("tree_choices")) + "\n")
-    return {"heads": src.config["medusa_heads"], "layers": src.config["medusa_layers"], "merged_target":
-            src.kind == "medusa2"}
-
-
-def unwrap_lora(model: torch.nn.Module) -> None:
-    """Replace every (already merged) peft LoRA layer by its base layer, leaving a plain transformers model."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    for name, module in list(model.named_modules()):
-        if isinstance(module, BaseTunerLayer):
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
-
-
-def add_legacy_keys(folder: Path) -> None:
-    """Give a transformers 5.x config.json the keys transformers 4.x reads instead of `rope_parameters` and `dtype`
-    (4.x would otherwise fall back to rope_theta 10,000 and float32): rope_theta, rope_scaling, torch_dtype."""
-    path = folder / "config.json"
-    config = json.loads(path.read_text())
-    text = config.get("text_config") or config
-    extra = legacy_rope(SimpleNamespace(**text))
-    if config.get("dtype") and "torch_dtype" not in config:
-        extra["torch_dtype"] = config["dtype"]
-    path.write_text(json.dumps({**config, **{k: v for k, v in extra.items() if k not in config}}, indent=2) + "\n")
-
-
-def export_small_lm(src: Source, out: Path, meta: dict) -> dict:
-    """A standard transformers folder (config, weights, generation config, tokenizer) that loads with
-    AutoModelForCausalLM and drafts as `assistant_model`; written by the drafter's own export_pretrained."""
-    model, tokenizer = src.target()
-    drafter = load_drafter(src.folder, model)
-    drafter.export_pretrained(out, tokenizer)
-    add_legacy_keys(out)
-    return {}
-
-
-def export_acceptance(src: Source, out: Path, meta: dict) -> dict:
-    """A SpecDec++ acceptance head beside its drafter: the base small_lm as a transformers folder (it drafts on
-    its own as `assistant_model`, with a fixed length), the head in acceptance_head/ (config.json +
-    model.safetensors: blocks.{i}.linear.*, out.* over the drafter's final-norm hidden state), and the base's
-    draftlab checkpoint in draftlab/base/, which the exported drafter_config.json names."""
-    model, tokenizer = src.target()
-    head = load_drafter(src.folder, model)
-    head.base.export_pretrained(out, tokenizer)
-    add_legacy_keys(out)
-    (out / "acceptance_head").mkdir()
-    save_file({k: v.contiguous() for k, v in src.weights.items()}, str(out / "acceptance_head" / "model.safetensors"))
-    keys = ("acceptance_layers", "adaptive_threshold", "min_draft", "acceptance_label")
-    (out / "acceptance_head" / "config.json").write_text(json.dumps(
-        {"hidden_size": head.out.in_features, **{k: head.settings[k] for k in keys},
-         "input": "the draft model's last hidden state (after its final norm) at the draft token",
-         "output": "logit of P(the target accepts the token); stop once 1 - prod(p) > adaptive_threshold"}, indent=2))
-    base = Path(src.config["base"])
-    shutil.copytree(base, out / NATIVE_DIR / "base", ignore=shutil.ignore_patterns(ckpt.STATE_NAME, "*.tmp"))
-    config = {**src.config, "base": "base"}   # relative to draftlab/: the export loads wherever it is copied
-    (out / NATIVE_DIR / ckpt.CONFIG_NAME).write_text(json.dumps(config, indent=2))
-    return {"acceptance_head": True}
-
-
-EXPORTERS = {
-    "eagle": ("eagle", export_eagle),
-    "eagle3": ("speculators", export_eagle3),
-    "medusa": ("medusa", export_medusa),
-    "medusa2": ("medusa", export_medusa),
-    "small_lm": ("hf", export_small_lm),
-    "acceptance": ("hf", export_acceptance),
-}
-FORMATS = ("auto", "draftlab", "speculators", "eagle", "medusa", "hf")
+FORMATS = ("auto", "draftlab", *dict.fromkeys(cls.export_format for cls in DRAFTERS.values()))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -402,9 +195,13 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str =
         meta = {"draftlab_export": 1, "kind": src.kind, "format": fmt, "repo_id": repo_id, "base_model":
                 src.base_model, "verifier": src.verifier, "target": src.target_path, "license": license,
                 "step": folder.name,
-                "draft_length": first.get("draft_length"), "export_dir": str(out)}
-        meta["details"] = EXPORTERS[src.kind][1](src, tmp, meta) if fmt != "draftlab" else {}
-        meta.pop("export_dir")                        # a local path, for exporters only
+                "draft_length": first.get("draft_length")}
+        drafter_class = DRAFTERS.get(src.kind)
+        meta.update(card_name=getattr(drafter_class, "card_name", src.kind),
+                    card_note=getattr(drafter_class, "card_note", None))
+        # the export's own folders, for exporters that write beside their format (never saved in export.json)
+        paths = {"export_dir": str(out), "native_dir": str(tmp / NATIVE_DIR)}
+        meta["details"] = drafter_class.export(src, tmp, {**meta, **paths}) if fmt != "draftlab" else {}
         (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
         model_card.write_card(tmp)
     except BaseException as e:
@@ -413,12 +210,12 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str =
             raise HubError(f"{describe_disk_full(e)}: the partial export was removed and {out} (if any) is "
                            "unchanged; free space and export again") from None
         raise
-    ckpt._replace(tmp, out)
+    ckpt.replace_folder(tmp, out)
     return out
 
 
 def pick_format(kind: str, fmt: str) -> str:
-    own = EXPORTERS.get(kind, ("draftlab",))[0]     # kinds without a serving format still export their native files
+    own = getattr(DRAFTERS.get(kind), "export_format", "draftlab")
     if fmt == "auto":
         return own
     if fmt in ("draftlab", own):

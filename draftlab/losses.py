@@ -1,7 +1,7 @@
 """Every training loss of draftlab, as pure functions on tensors.
 
 Conventions shared by all functions here:
-- Shapes: B = batch, T = sequence length, V = vocabulary, D = feature width, K = number of heads.
+- Shapes: B = batch, T = sequence length, V = vocabulary, D = feature width.
 - ``mask [B, T]`` marks the positions that count (1 / True). Each loss is a sum over those positions divided by
   their number, so duplicating a batch or padding it with masked-out positions leaves it unchanged. An all-zero
   mask gives an exact 0 that still belongs to the autograd graph (``backward()`` works, gradients are 0, no NaN).
@@ -10,8 +10,8 @@ Conventions shared by all functions here:
 - Nothing here reads a config, a module or a global: the drafters pick the terms and their weights.
 
 References (formulas in ../shared/reference/method_specs.md): EAGLE-1 regression and soft-target CE (2.1),
-HASS top-K term (2.4), EAGLE-3 / Medusa decay weights (2.3, 3), Medusa head shifts (3), distillation
-divergences (4.1), SpecDec++ acceptance labels and class-weighted BCE (5).
+HASS top-K term (2.4), hard cross-entropy (Medusa heads, 3), distillation divergences (4.1), SpecDec++
+acceptance labels and class-weighted BCE (5).
 """
 from __future__ import annotations
 
@@ -92,34 +92,6 @@ def hard_cross_entropy(logits: Tensor, labels: Tensor, mask: Tensor) -> Tensor:
     safe_labels = labels.masked_fill(~valid, 0)  # any in-range id: the value is ignored but must index
     per_token = F.cross_entropy(_up(logits).flatten(0, -2), safe_labels.flatten(), reduction="none")
     return _masked_mean(per_token.view_as(labels), valid)
-
-
-def medusa_head_losses(head_logits: Tensor, input_ids: Tensor, mask: Tensor) -> Tensor:
-    """Per-head cross-entropy of Medusa heads; the caller weights and sums them.
-
-    head_logits [K, B, T, V]: head k (0-based) at position t predicts token t + 2 + k (the base LM head
-    predicts t + 1), so its logits at positions [0, T - 2 - k) are scored against input_ids[:, 2 + k:], with the
-    mask of those label positions. input_ids [B, T]; mask [B, T] (1 on tokens that count as labels).
-    Returns [K]; a head whose offset does not fit in T gets an exact 0 (still in the graph).
-    """
-    num_heads, seq_len = head_logits.shape[0], head_logits.shape[2]
-    losses = []
-    for k in range(num_heads):
-        shift = 2 + k
-        if shift >= seq_len:
-            losses.append(_up(head_logits[k]).sum() * 0.0)
-            continue
-        losses.append(hard_cross_entropy(head_logits[k, :, : seq_len - shift], input_ids[:, shift:], mask[:, shift:]))
-    return torch.stack(losses)
-
-
-def decay_weights(n: int, decay: float, device: torch.device | str | None = None) -> Tensor:
-    """Geometric weights [n]: decay**j for j = 0 .. n-1, float32.
-
-    EAGLE-3 weights its training-time-test step j by 0.8**j exactly like this. Medusa's official recipe uses
-    0.8**k with k 1-based; that is ``decay * decay_weights(K, decay)``, a constant the head coefficient absorbs.
-    """
-    return decay ** torch.arange(n, dtype=torch.float32, device=device)
 
 
 # ---------------------------------------------------------------------------------------------------------------

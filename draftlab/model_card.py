@@ -12,15 +12,12 @@ from pathlib import Path
 import yaml
 
 from draftlab.errors import HubError
+from draftlab.report import fmt, tree_label
 
 NATIVE_DIR = "draftlab"          # the draftlab checkpoint inside an export
 MARKER = "export.json"           # what was exported, for re-rendering the card and for pushing an export as is
 REPORTS_DIR = "eval_reports"     # extra `--eval` reports, inside NATIVE_DIR
 
-KIND_NAMES = {"eagle": "EAGLE-1/2 head (feature-level autoregressive draft head)",
-              "eagle3": "EAGLE-3 head (multi-layer feature fusion, training-time test)",
-              "medusa": "Medusa-1 heads", "medusa2": "Medusa-2 heads (trained jointly with LoRA on the target)",
-              "small_lm": "small draft language model", "acceptance": "acceptance-prediction head"}
 FORMAT_NAMES = {"eagle": "the official EAGLE-1/2 layout (SafeAILab/EAGLE)",
                 "speculators": "the speculators format (vllm-project/speculators) that vLLM serves",
                 "medusa": "the Medusa heads layout (FasterDecoding/Medusa, TGI)",
@@ -90,23 +87,6 @@ def front_matter(meta: dict) -> dict:
     return data
 
 
-def tree_label(report: dict) -> str:
-    tree = report.get("tree") or {"kind": "chain", "draft_length": report.get("draft_length")}
-    if tree.get("kind") == "dynamic":
-        return f"dynamic tree (depth {tree.get('depth')}, top-k {tree.get('top_k')}, {tree.get('total_tokens')} nodes)"
-    if tree.get("kind") == "static":
-        return f"static tree ({len(tree.get('choices') or [])} nodes)"
-    return f"chain k={tree.get('draft_length')}"
-
-
-def fmt(x, digits: int = 3) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, bool):
-        return "yes" if x else "NO"
-    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
-
-
 def tau_table(reports: list[tuple[str, dict]]) -> str:
     lines = ["| prompt set | draft | temperature | tau | tau per prompt (mean) | per-position acceptance | speedup "
              "| lossless | prompts |", "|---|---|---|---|---|---|---|---|---|"]
@@ -173,7 +153,7 @@ def usage(meta: dict, reports) -> dict[str, str]:
     """Engine -> markdown: a command that loads this export, or why that engine cannot."""
     repo = meta.get("repo_id") or "ORG/NAME"
     base = target_name(meta)
-    fmt_, kind, k = meta["format"], meta["kind"], chain_k(meta, reports)
+    fmt_, k = meta["format"], chain_k(meta, reports)
     details = meta.get("details") or {}
     no_tf = ("Not supported by transformers: `generate(assistant_model=...)` needs a complete language model, and "
              "this drafter reads the target's hidden states.")
@@ -271,13 +251,12 @@ def render_card(meta: dict, reports: list[tuple[str, dict]], run: dict | None, p
     base = meta.get("base_model")
     target = f"[{base}](https://huggingface.co/{base})" if base else f"`{meta.get('target') or 'its target'}`"
     title = repo.split("/")[-1] if repo else f"draftlab {kind} drafter"
-    what = KIND_NAMES.get(kind, kind)
+    what = meta.get("card_name") or kind
     intro = (f"{'An' if what[0] in 'AEIOU' else 'A'} {what} that drafts tokens for speculative decoding with "
              f"{target}, trained and scored with draftlab. The target verifies every drafted token, so the "
              "generated text is the target's own (greedy: token-identical; sampling: the same distribution).")
-    if kind == "medusa2":
-        intro += (" Medusa-2 trains LoRA adapters on the target jointly with the heads: the model served is the "
-                  "adapted target (merged here), whose outputs differ slightly from the original target's.")
+    if meta.get("card_note"):
+        intro += " " + meta["card_note"]
     if not base:
         intro += (f"\n\nThe target was a local model (`{meta.get('target')}`), not a Hub id, so the card has no "
                   f"`base_model` and serving configs name the local folder `{target_name(meta)}`: export again with "

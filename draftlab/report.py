@@ -58,7 +58,7 @@ def build_report(results: list, baseline: dict, *, spec: TreeSpec, sampling: Sam
                  categories: list[str] | None = None, wall_seconds: float | None = None,
                  timing: dict | None = None) -> dict:
     """results: evaluator.GenerationResult per prompt; baseline: {"outputs", "tokens_per_second"} (e.g.
-    evaluator.run_baseline's dict); timing: evaluator.interleaved_runs' timing (median speeds, speedup spread),
+    evaluator.run_baseline's dict); timing: evaluator.interleaved_side_by_side's timing (median speeds, speedup spread),
     which replaces the speeds computed from `results` and `baseline`."""
     rounds = sum(r.rounds for r in results)
     accepted = [a for r in results for a in r.accepted]
@@ -138,35 +138,33 @@ def write_report(report: dict, path: str | Path) -> None:
     path.write_text(json.dumps(_clean(report), indent=2) + "\n")
 
 
-def _fmt(x, digits: int = 3) -> str:
+def fmt(x, digits: int = 3) -> str:
+    """A table cell: "-" for None, yes/NO for a flag, a float to `digits` places."""
     if x is None:
         return "-"
     if isinstance(x, bool):
         return "yes" if x else "NO"
-    if isinstance(x, float):
-        return f"{x:.{digits}f}"
-    return str(x)
+    return f"{x:.{digits}f}" if isinstance(x, float) else str(x)
 
 
-def _tree_label(report: dict) -> str:
-    tree = report.get("tree") or {}
-    kind = tree.get("kind", "chain")
-    if kind == "chain":
-        return f"chain k={tree.get('draft_length')}"
-    if kind == "dynamic":
-        return f"dynamic depth={tree.get('depth')} top_k={tree.get('top_k')} total={tree.get('total_tokens')}"
-    return f"static {len(tree.get('choices') or [])} nodes"
+def tree_label(report: dict) -> str:
+    tree = report.get("tree") or {"kind": "chain", "draft_length": report.get("draft_length")}
+    if tree.get("kind") == "dynamic":
+        return f"dynamic tree (depth {tree.get('depth')}, top-k {tree.get('top_k')}, {tree.get('total_tokens')} nodes)"
+    if tree.get("kind") == "static":
+        return f"static tree ({len(tree.get('choices') or [])} nodes)"
+    return f"chain k={tree.get('draft_length')}"
 
 
 def summary_line(report: dict) -> str:
     """One line for logs: tau, speedup, losslessness."""
-    parts = [f"tau {_fmt(report['acceptance_length'], 2)} ({_tree_label(report)}, T={report['temperature']:g})",
-             f"{_fmt(report['tokens_per_second'], 1)} tok/s vs {_fmt(report['baseline_tokens_per_second'], 1)}"
-             f" target-only = {_fmt(report['speedup'], 2)}x"]
+    parts = [f"tau {fmt(report['acceptance_length'], 2)} ({tree_label(report)}, T={report['temperature']:g})",
+             f"{fmt(report['tokens_per_second'], 1)} tok/s vs {fmt(report['baseline_tokens_per_second'], 1)}"
+             f" target-only = {fmt(report['speedup'], 2)}x"]
     if report.get("adaptive"):
-        parts.insert(1, f"adaptive: mean draft length {_fmt(report['mean_draft_length'], 2)}")
+        parts.insert(1, f"adaptive: mean draft length {fmt(report['mean_draft_length'], 2)}")
     if report.get("lossless") is not None:
-        parts.append(f"lossless {_fmt(report['lossless'])}")
+        parts.append(f"lossless {fmt(report['lossless'])}")
     parts.append(f"{report['num_prompts']} prompts")
     return " | ".join(parts)
 
@@ -174,21 +172,21 @@ def summary_line(report: dict) -> str:
 def report_markdown(report: dict) -> str:
     """A markdown table a user can paste (model card, PR)."""
     rows = [
-        ("acceptance length tau (micro)", _fmt(report["acceptance_length"])),
-        ("tau, mean per prompt (macro)", _fmt(report.get("acceptance_length_macro"))),
-        ("tau incl. the prefill's forward and token", _fmt(report.get("acceptance_length_incl_prefill"))),
-        ("draft", _tree_label(report)),
-        ("temperature", _fmt(report["temperature"], 2)),
-        ("per-position acceptance", ", ".join(_fmt(x, 2) for x in report["per_position_acceptance"])),
-        ("mean draft length", _fmt(report.get("mean_draft_length"), 2)),
-        ("wasted draft tokens", _fmt(report.get("wasted_draft_tokens"))),
-        ("rounds (target forwards)", _fmt(report["rounds"])),
-        ("new tokens", _fmt(report["new_tokens"])),
-        ("tokens/s speculative", _fmt(report["tokens_per_second"], 1)),
-        ("tokens/s target-only", _fmt(report["baseline_tokens_per_second"], 1)),
-        ("speedup", _fmt(report["speedup"], 2) + "x" if report["speedup"] is not None else "-"),
-        ("lossless (greedy identity)", _fmt(report["lossless"]) if report["lossless"] is not None else "n/a"),
-        ("prompts", _fmt(report["num_prompts"])),
+        ("acceptance length tau (micro)", fmt(report["acceptance_length"])),
+        ("tau, mean per prompt (macro)", fmt(report.get("acceptance_length_macro"))),
+        ("tau incl. the prefill's forward and token", fmt(report.get("acceptance_length_incl_prefill"))),
+        ("draft", tree_label(report)),
+        ("temperature", fmt(report["temperature"], 2)),
+        ("per-position acceptance", ", ".join(fmt(x, 2) for x in report["per_position_acceptance"])),
+        ("mean draft length", fmt(report.get("mean_draft_length"), 2)),
+        ("wasted draft tokens", fmt(report.get("wasted_draft_tokens"))),
+        ("rounds (target forwards)", fmt(report["rounds"])),
+        ("new tokens", fmt(report["new_tokens"])),
+        ("tokens/s speculative", fmt(report["tokens_per_second"], 1)),
+        ("tokens/s target-only", fmt(report["baseline_tokens_per_second"], 1)),
+        ("speedup", fmt(report["speedup"], 2) + "x" if report["speedup"] is not None else "-"),
+        ("lossless (greedy identity)", fmt(report["lossless"]) if report["lossless"] is not None else "n/a"),
+        ("prompts", fmt(report["num_prompts"])),
     ]
     if report.get("adaptive"):
         rows.insert(3, ("adaptive stopping", f"1 - prod(p_hat) > {report['adaptive']['threshold']:g}, "
@@ -201,11 +199,11 @@ def report_markdown(report: dict) -> str:
         lines += ["", "| drafting | mean draft length | wasted draft tokens | tau | speedup |", "|---|---|---|---|---|"]
         runs = [(f"adaptive (<= {report['draft_length']})", report)]
         runs += [(f"fixed k={k}", r) for k, r in report["fixed_k"].items()]
-        lines += [f"| {name} | {_fmt(r.get('mean_draft_length'), 2)} | {_fmt(r.get('wasted_draft_tokens'))} | "
-                  f"{_fmt(r['acceptance_length'])} | {_fmt(r['speedup'], 2)} |" for name, r in runs]
+        lines += [f"| {name} | {fmt(r.get('mean_draft_length'), 2)} | {fmt(r.get('wasted_draft_tokens'))} | "
+                  f"{fmt(r['acceptance_length'])} | {fmt(r['speedup'], 2)} |" for name, r in runs]
     if report.get("per_category"):
         lines += ["", "| category | tau | prompts |", "|---|---|---|"]
-        lines += [f"| {c} | {_fmt(v['acceptance_length'])} | {v['num_prompts']} |"
+        lines += [f"| {c} | {fmt(v['acceptance_length'])} | {v['num_prompts']} |"
                   for c, v in report["per_category"].items()]
     return "\n".join(lines) + "\n"
 
@@ -224,7 +222,7 @@ def save_plots(report: dict, out_dir: str | Path, prefix: str = "eval") -> list[
     fig, ax = plt.subplots(figsize=(5, 3))
     ax.bar(range(1, len(acc) + 1), acc, color="tab:blue")
     ax.set(xlabel="draft depth", ylabel="share of rounds accepted", ylim=(0, 1),
-           title=f"tau = {_fmt(report['acceptance_length'], 2)}")
+           title=f"tau = {fmt(report['acceptance_length'], 2)}")
     fig.tight_layout()
     paths.append(str(out_dir / f"{prefix}_per_position.png"))
     fig.savefig(paths[-1], dpi=100)

@@ -45,17 +45,6 @@ def _read(fd: int) -> dict | None:
     return info if isinstance(info, dict) else None
 
 
-def _read_file(path: Path) -> dict | None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        return _read(fd)
-    finally:
-        os.close(fd)
-
-
 def _alive(info: dict | None) -> bool:
     """Whether the recorded holder may still run (fallback without flock): only a same-host pid can be checked."""
     if not info or info.get("host") != socket.gethostname():

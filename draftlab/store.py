@@ -35,8 +35,7 @@ from draftlab.runlock import LOCK_NAME, FolderLock
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-TEACHER_KEYS = ("teacher_topk_ids", "teacher_topk_logprobs", "teacher_tail_mass")
-_FINGERPRINT_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "vocab_hash")
+OTHER_TARGET = "use that target or another store path"
 
 
 class StoreError(DataError):
@@ -204,15 +203,9 @@ def _check_same_plan(path: Path, old: dict, new: dict) -> None:
             raise StoreError(f"the store at {path} was started with {key}={old.get(key)} but this build asks for "
                              f"{key}={new[key]}: remove that folder or choose another store path (nothing was "
                              "overwritten)")
-    _check_target(path, old.get("target", {}), new["target"])
+    from draftlab.target import check_fingerprint
 
-
-def _check_target(path: Path, saved: dict, current: dict) -> None:
-    for key in _FINGERPRINT_KEYS:
-        if key in saved and key in current and saved[key] != current[key]:
-            raise StoreError(f"the store at {path} was made for another target ({key}={saved[key]}, "
-                             f"{saved.get('name_or_path') or 'unnamed'}); the loaded target has {key}={current[key]} "
-                             f"({current.get('name_or_path') or 'unnamed'}): use that target or another store path")
+    check_fingerprint(old.get("target", {}), new["target"], f"the store at {path}", OTHER_TARGET, StoreError)
 
 
 def _shard_intact(path: Path, shard: dict) -> bool:
@@ -271,7 +264,7 @@ def open_store(path, target, *, tokenizer=None, dataset=None, feature_layers=Non
                verify_all: bool = False) -> "Store":
     """Open a complete store for `target` (and `dataset`, checked by hash when given). feature_layers: the
     hidden-state indices `batch` returns, concatenated in that order (None = all stored ones)."""
-    from draftlab.target import target_fingerprint
+    from draftlab.target import check_fingerprint, target_fingerprint
 
     path = Path(path)
     manifest = _read_manifest(path)
@@ -285,7 +278,8 @@ def open_store(path, target, *, tokenizer=None, dataset=None, feature_layers=Non
         finished = sum(1 for s in manifest["shards"] if s["sha256"])
         raise StoreError(f"the store at {path} is incomplete ({finished} of {len(manifest['shards'])} shards): "
                          "run the same build again to resume it")
-    _check_target(path, manifest["target"], target_fingerprint(target, tokenizer))
+    check_fingerprint(manifest["target"], target_fingerprint(target, tokenizer), f"the store at {path}", OTHER_TARGET,
+                      StoreError)
     if dataset is not None and data_hash(dataset) != manifest["data_hash"]:
         raise StoreError(f"the store at {path} was built from other training data (different conversations, "
                          "tokenizer or data.max_length): point data.store at a new folder to rebuild it")

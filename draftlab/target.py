@@ -228,6 +228,15 @@ def _first_line(e: Exception) -> str:
 # features and identity
 
 
+def eos_ids(tokenizer, model) -> list[int]:
+    """Every end-of-sequence id of a model: its config's, its generation config's and (given) the tokenizer's."""
+    ids = set()
+    for eos in (getattr(tokenizer, "eos_token_id", None), model.config.eos_token_id,
+                getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return sorted(i for i in ids if i is not None)
+
+
 def target_features(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
     """Concatenate the chosen `output_hidden_states` entries: each [..., H] -> [..., len(layers) * H].
 
@@ -262,14 +271,14 @@ def vocab_hash(tokenizer) -> str:
     return digest.hexdigest()[:16]
 
 
-def check_fingerprint(saved: dict, current: dict, what: str) -> None:
-    """Raise TargetError when `what` (a checkpoint, a feature store) was made for another target.
+def check_fingerprint(saved: dict, current: dict, what: str, fix: str = "pass the matching target.path",
+                      error: type[Exception] = TargetError) -> None:
+    """Raise `error` when `what` (a checkpoint, a feature store) was made for another target.
 
     Only keys present in both are compared, and never the name (the same model may live at another path).
     """
     for key in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "vocab_hash"):
         if key in saved and key in current and saved[key] != current[key]:
-            raise TargetError(f"{what} was made for a target with {key}={saved[key]} "
-                              f"({saved.get('name_or_path') or 'unnamed'}), but the loaded target has "
-                              f"{key}={current[key]} ({current.get('name_or_path') or 'unnamed'}): "
-                              "pass the matching target.path")
+            raise error(f"{what} was made for another target ({key}={saved[key]}, "
+                        f"{saved.get('name_or_path') or 'unnamed'}), but the loaded target has {key}={current[key]} "
+                        f"({current.get('name_or_path') or 'unnamed'}): {fix}")

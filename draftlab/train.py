@@ -369,6 +369,7 @@ class InLoopEvaluator:
 
     def __init__(self, cfg, target, tokenizer):
         from draftlab.data import encode_prompt, load_prompts
+        from draftlab.target import eos_ids
 
         self.cfg, self.target = cfg, target
         prompts = load_prompts(cfg.data.eval_prompts, limit=cfg.eval.num_prompts)
@@ -409,14 +410,6 @@ class InLoopEvaluator:
             report["draft_shape"], report["chosen_draft_length"] = shape, shape["chosen_draft_length"]
         drafter.train(was_training)
         return report
-
-
-def eos_ids(tokenizer, target) -> list[int]:
-    ids = {tokenizer.eos_token_id, getattr(target.generation_config, "eos_token_id", None)}
-    flat = set()
-    for i in ids:
-        flat.update(i if isinstance(i, (list, tuple)) else [i])
-    return sorted(i for i in flat if i is not None)
 
 
 DEEPSPEED_DIR, DEEPSPEED_TAG = "deepspeed", "zero"  # DeepSpeed's own checkpoint inside a step folder

@@ -182,22 +182,6 @@ def children_lists(parents: Tensor) -> list[list[int]]:
     return kids
 
 
-def root_to_leaf_paths(parents: Tensor) -> list[list[int]]:
-    """One path per leaf, in leaf order: the node indices from depth 1 down to that leaf."""
-    par = parents.tolist()
-    has_child = set(p for p in par if p >= 0)
-    paths = []
-    for leaf in range(len(par)):
-        if leaf in has_child:
-            continue
-        path, node = [], leaf
-        while node >= 0:
-            path.append(node)
-            node = par[node]
-        paths.append(path[::-1])
-    return paths
-
-
 def static_tree_layout(choices: list[list[int]]) -> tuple[Tensor, Tensor]:
     """Medusa-style choice list -> (parents [N], ranks [N]) with nodes ordered by depth, then path.
 

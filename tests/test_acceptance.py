@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from draftlab import checkpoint as ckpt
-from draftlab.drafters.acceptance import AcceptanceHead, AdaptiveProposer, draft_and_label
+from draftlab.drafters.acceptance import AcceptanceHead, draft_and_label
 from draftlab.drafters.small_lm import SmallLM
-from draftlab.proposers import CausalLMProposer
 from draftlab.evaluator import (GenerationResult, evaluate, evaluate_adaptive, run_baseline, speculative_generate,
                                 target_generate)
+from draftlab.proposers import CausalLMProposer
 from draftlab.report import build_report, calibration, report_markdown, save_plots, summary_line
 from draftlab.trees import TreeSpec
 from draftlab.verify import Sampling

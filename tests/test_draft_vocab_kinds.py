@@ -12,7 +12,8 @@ import torch
 from draftlab import checkpoint as ckpt
 from draftlab.data import ChatDataset, collate
 from draftlab.drafters.acceptance import AcceptanceHead
-from draftlab.drafters.medusa import Medusa2Lora, MedusaHeads
+from draftlab.drafters.medusa import MedusaHeads
+from draftlab.drafters.medusa2 import Medusa2Lora
 from draftlab.drafters.small_lm import SmallLM
 from draftlab.evaluator import speculative_generate, target_generate
 from draftlab.trees import TreeSpec

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftlab.drafters.eagle3 import EagleHead3, default_aux_layers, vocab_maps
+from draftlab.drafters.eagle3 import EagleHead3, default_aux_layers
+from draftlab.vocab import vocab_maps
 from draftlab.target import target_features
 from draftlab.drafters import load_drafter
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from draftlab.evaluator import (compact_cache, evaluate, report_markdown, run_baseline, speculative_generate,
-                                summary_line, target_generate, write_report)
-from draftlab.proposers import PromptLookupProposer, RandomProposer, CausalLMProposer
+from draftlab.evaluator import compact_cache, evaluate, run_baseline, speculative_generate, target_generate
+from draftlab.proposers import CausalLMProposer, PromptLookupProposer, RandomProposer
+from draftlab.report import report_markdown, summary_line, write_report
 from draftlab.report import save_plots
 from draftlab.trees import TreeSpec
 from draftlab.verify import Sampling

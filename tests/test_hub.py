@@ -201,7 +201,7 @@ def test_medusa2_export_is_the_adapted_target(tiny_tokenizer, tiny_target_dir, t
     from conftest import build_tiny_llama
     from transformers import AutoModelForCausalLM
 
-    from draftlab.drafters.medusa import Medusa2Lora
+    from draftlab.drafters.medusa2 import Medusa2Lora
 
     monkeypatch.setitem(DRAFTERS, "medusa2", Medusa2Lora)
     model = build_tiny_llama(tiny_tokenizer).requires_grad_(False)

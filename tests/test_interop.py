@@ -158,7 +158,7 @@ def test_medusa2_merged_target_in_transformers(tiny_tokenizer, tmp_path, monkeyp
     from transformers import AutoModelForCausalLM
 
     from draftlab.drafters import load_drafter
-    from draftlab.drafters.medusa import Medusa2Lora
+    from draftlab.drafters.medusa2 import Medusa2Lora
 
     monkeypatch.setitem(DRAFTERS, "medusa2", Medusa2Lora)
     model, target_dir = saved_target(tiny_tokenizer, tmp_path / "target")
@@ -182,7 +182,7 @@ def test_medusa2_export_in_the_medusa_model_code(tiny_tokenizer, tmp_path, monke
     medusa_model = client("medusa.model.medusa_model", "medusa-llm 0.1")
     from transformers import LlamaForCausalLM
 
-    from draftlab.drafters.medusa import Medusa2Lora
+    from draftlab.drafters.medusa2 import Medusa2Lora
 
     monkeypatch.setitem(DRAFTERS, "medusa2", Medusa2Lora)
     model, target_dir = saved_target(tiny_tokenizer, tmp_path / "target")

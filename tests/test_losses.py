@@ -175,7 +175,6 @@ def _all_losses(seed: int, mask: torch.Tensor, batch_repeat: int = 1):
     feats, feats_t = rep(_logits(seed + 2, shape=(B, T, D))), rep(_logits(seed + 3, shape=(B, T, D)))
     labels = rep(torch.randint(0, V, (B, T), generator=_gen(seed)))
     acc_logits, soft = rep(torch.randn(B, T, generator=_gen(seed))), rep(torch.rand(B, T, generator=_gen(seed)))
-    heads = torch.randn(3, B, T, V, generator=_gen(seed)).repeat(1, batch_repeat, 1, 1)
     mask = rep(mask)
     out = {
         "smooth_l1": L.masked_smooth_l1(feats, feats_t, mask),
@@ -184,8 +183,6 @@ def _all_losses(seed: int, mask: torch.Tensor, batch_repeat: int = 1):
         "hard_ce": L.hard_cross_entropy(student, labels, mask),
         "acceptance_bce": L.acceptance_bce(acc_logits, soft, mask),
     }
-    for i, value in enumerate(L.medusa_head_losses(heads, labels, mask)):
-        out[f"medusa_{i}"] = value
     for name, fn in L.DIVERGENCES.items():
         out[name] = fn(student, teacher, mask)
     return out
@@ -228,7 +225,6 @@ def test_empty_mask_gives_zero_with_gradient_and_no_nan():
     student = _logits(14).requires_grad_()
     feats = _logits(15, shape=(B, T, D)).requires_grad_()
     acc = torch.randn(B, T, generator=_gen(16)).requires_grad_()
-    heads = torch.randn(2, B, T, V, generator=_gen(17)).requires_grad_()
     labels = torch.randint(0, V, (B, T), generator=_gen(18))
     values = [
         L.masked_smooth_l1(feats, feats.detach() + 1, empty),
@@ -236,13 +232,12 @@ def test_empty_mask_gives_zero_with_gradient_and_no_nan():
         L.topk_cross_entropy(student, _logits(19), empty),
         L.hard_cross_entropy(student, labels, empty),
         L.acceptance_bce(acc, torch.rand(B, T, generator=_gen(20)), empty),
-        *L.medusa_head_losses(heads, labels, empty),
         *[fn(student, _logits(21), empty) for fn in L.DIVERGENCES.values()],
     ]
     for value in values:
         assert value.item() == 0.0 and value.requires_grad
     torch.stack(values).sum().backward()
-    for leaf in (student, feats, acc, heads):
+    for leaf in (student, feats, acc):
         assert leaf.grad is not None and torch.all(leaf.grad == 0)
 
 
@@ -277,36 +272,6 @@ def test_smooth_l1_matches_torch_on_full_mask_and_beta():
         ref = F.smooth_l1_loss(pred, target, beta=beta)  # mean over everything = mean over D then positions
         assert L.masked_smooth_l1(pred, target, full, beta=beta).item() == pytest.approx(ref.item(), rel=1e-6)
     assert L.masked_smooth_l1(pred, pred.clone(), full).item() == 0.0
-
-
-def test_medusa_shift_perfect_head():
-    torch.manual_seed(0)
-    K, seq = 3, 12
-    ids = torch.randint(0, V, (2, seq), generator=_gen(28))
-    mask = torch.ones(2, seq, dtype=torch.long)
-    mask[1, -3:] = 0  # padding at the end of the second row
-    heads = torch.randn(K, 2, seq, V, generator=_gen(29))
-    # head 1 made perfect: its logits at t are one-hot (large) on token t + 3
-    shift = 3
-    perfect = torch.full((2, seq, V), -20.0)
-    perfect[:, : seq - shift].scatter_(-1, ids[:, shift:].unsqueeze(-1), 20.0)
-    heads[1] = perfect
-    out = L.medusa_head_losses(heads, ids, mask)
-    assert out.shape == (K,)
-    assert out[1].item() < 1e-6
-    assert out[0].item() > 1.0 and out[2].item() > 1.0
-    # the perfect logits for another head's offset score badly on it
-    assert L.medusa_head_losses(perfect.unsqueeze(0), ids, mask)[0].item() > 1.0
-    # a head whose offset runs past the sequence contributes exactly 0
-    tiny = L.medusa_head_losses(torch.randn(4, 1, 4, V, requires_grad=True), ids[:1, :4], mask[:1, :4])
-    assert tiny[2].item() == 0.0 and tiny[3].item() == 0.0 and tiny[0].item() > 0.0
-
-
-def test_decay_weights():
-    w = L.decay_weights(7, 0.8)
-    assert w.shape == (7,) and w[0].item() == 1.0
-    assert torch.allclose(w[1:] / w[:-1], torch.full((6,), 0.8))
-    assert L.decay_weights(0, 0.8).numel() == 0
 
 
 def test_acceptance_labels_on_hand_made_distributions():

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from draftlab.drafters.medusa import Medusa2Lora, MedusaHeads, choices_from_accuracy, prior_accuracy
+from draftlab.drafters.medusa import MedusaHeads, choices_from_accuracy, prior_accuracy
+from draftlab.drafters.medusa2 import Medusa2Lora
 from draftlab.trees import TreeSpec
 from draftlab.verify import Sampling
 from draftlab.drafters import load_drafter
@@ -161,7 +162,7 @@ def test_measured_tree_and_cartesian_candidates(tiny_target, dataset, tmp_path, 
         assert tree.tokens[node] == ranked[int(tree.depths[node]) - 1, int(ranks[node])]
     explicit = proposer.propose(TreeSpec(kind="static", choices=[[0], [1], [0, 0], [1, 0]]), Sampling(), None)
     assert explicit.tokens.tolist() == [ranked[0, 0], ranked[0, 1], ranked[1, 0], ranked[1, 0]]
-    deep = proposer.propose(TreeSpec(kind="static", choices=EAGLE_DEFAULT_CHOICES[:12] + [[0, 0, 0, 0]]),
+    deep = proposer.propose(TreeSpec(kind="static", choices=EAGLE_DEFAULT_CHOICES[:20] + [[0, 0, 0, 0]]),
                             Sampling(), None)
     assert deep.max_depth <= 3                                               # paths deeper than K are dropped
     chain = proposer.propose(TreeSpec(kind="chain", draft_length=5), Sampling(), None)

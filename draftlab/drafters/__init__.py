@@ -1,27 +1,14 @@
-"""Drafter kinds, by the name recipes use in `drafter.kind`: each kind's model class and config (its
+"""Drafter kinds, by the name recipes use in `drafter.kind`: each kind's model class, and its config class (its
 `drafter.*` keys, declared once in the kind's module)."""
-from draftlab.drafters.acceptance import AcceptanceConfig, AcceptanceHead
-from draftlab.drafters.eagle import EagleConfig, EagleHead
-from draftlab.drafters.eagle3 import Eagle3Config, EagleHead3
-from draftlab.drafters.medusa import Medusa2Config, Medusa2Lora, MedusaConfig, MedusaHeads
-from draftlab.drafters.small_lm import SmallLM, SmallLMConfig
+from draftlab.drafters.acceptance import AcceptanceHead
+from draftlab.drafters.eagle import EagleHead
+from draftlab.drafters.eagle3 import EagleHead3
+from draftlab.drafters.medusa import MedusaHeads
+from draftlab.drafters.medusa2 import Medusa2Lora
+from draftlab.drafters.small_lm import SmallLM
 
-DRAFTERS = {
-    "eagle": EagleHead,
-    "eagle3": EagleHead3,
-    "medusa": MedusaHeads,
-    "medusa2": Medusa2Lora,
-    "small_lm": SmallLM,
-    "acceptance": AcceptanceHead,
-}
-CONFIGS = {
-    "eagle": EagleConfig,
-    "eagle3": Eagle3Config,
-    "medusa": MedusaConfig,
-    "medusa2": Medusa2Config,
-    "small_lm": SmallLMConfig,
-    "acceptance": AcceptanceConfig,
-}
+DRAFTERS = {cls.kind: cls for cls in (EagleHead, EagleHead3, MedusaHeads, Medusa2Lora, SmallLM, AcceptanceHead)}
+CONFIGS = {kind: cls.config_class for kind, cls in DRAFTERS.items()}
 
 
 def load_drafter(folder, target):

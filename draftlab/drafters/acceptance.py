@@ -23,18 +23,23 @@ describe the drafts that decoding will really make.
 """
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from draftlab.drafters.options import DrafterConfig, settings
 from draftlab import drafting
+from draftlab.checkpoint import CONFIG_NAME, STATE_NAME
+from draftlab.drafters.medusa import ResBlock
+from draftlab.drafters.options import DrafterConfig, settings
 from draftlab.errors import ConfigError
 from draftlab.proposers import CausalLMProposer
+from draftlab.serving import add_legacy_keys
 
 LABELS = ("sampled", "greedy")
 
@@ -58,6 +63,12 @@ class AcceptanceConfig(DrafterConfig):
     acceptance_label: str = "sampled"
     """sampled (Y ~ q, label min(1, p/q), for sampled verification) | greedy (Y = argmax q, label 1[argmax p = Y])."""
 
+    @staticmethod
+    def run_problem(cfg) -> str | None:
+        if not cfg.drafter.base:
+            return "drafter.kind=acceptance needs drafter.base=RUN_OR_STEP_FOLDER (a trained small_lm drafter)"
+        return None
+
 
 def draft_and_label(q_logits: Tensor, p_logits: Tensor, mode: str = "sampled",
                     generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
@@ -79,17 +90,6 @@ def draft_and_label(q_logits: Tensor, p_logits: Tensor, mode: str = "sampled",
     return drafted, acceptance_labels(p_logits.float().softmax(-1), q, drafted)
 
 
-class ResBlock(nn.Module):
-    """x + SiLU(W x + b): [..., d] -> [..., d]."""
-
-    def __init__(self, d: int):
-        super().__init__()
-        self.linear = nn.Linear(d, d)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x + F.silu(self.linear(x))
-
-
 class AcceptanceHead(nn.Module):
     """`acceptance_layers` ResBlocks then Linear(d -> 1): the logit of "accepted" from a base hidden state [.., d].
 
@@ -98,6 +98,10 @@ class AcceptanceHead(nn.Module):
     """
 
     kind = "acceptance"
+    config_class = AcceptanceConfig
+    card_name = "acceptance-prediction head"
+    export_format = "hf"            # the base drafter as a transformers folder, the head beside it
+    adaptive_length = True          # its proposer takes adaptive_threshold / min_draft (draftlab eval options)
     feature_layers: tuple[int, ...] = ()
 
     def __init__(self, target, base, settings: dict):
@@ -115,7 +119,7 @@ class AcceptanceHead(nn.Module):
         self.__dict__["target"] = target
         self.__dict__["base"] = base.eval().requires_grad_(False)
         d = int(base.model.get_output_embeddings().weight.shape[1])
-        self.blocks = nn.Sequential(*[ResBlock(d) for _ in range(settings["acceptance_layers"])])
+        self.blocks = nn.Sequential(*[ResBlock(d, identity=False) for _ in range(settings["acceptance_layers"])])
         self.out = nn.Linear(d, 1)
         self.to(next(target.parameters()).device)
 
@@ -219,6 +223,33 @@ class AcceptanceHead(nn.Module):
         threshold = self.settings["adaptive_threshold"] if adaptive_threshold is None else adaptive_threshold
         min_draft = int(self.settings["min_draft"] if min_draft is None else min_draft)
         return AdaptiveProposer(self.base.model, self, float(threshold), min_draft, self.base.draft_head)
+
+    # --- export --------------------------------------------------------------------------------------------
+    @staticmethod
+    def export(src, out: Path, meta: dict) -> dict:
+        """A SpecDec++ acceptance head beside its drafter: the base small_lm as a transformers folder (it drafts on
+        its own as `assistant_model`, with a fixed length), the head in acceptance_head/ (config.json +
+        model.safetensors: blocks.{i}.linear.*, out.* over the drafter's final-norm hidden state), and the base's
+        draftlab checkpoint in draftlab/base/, which the exported drafter_config.json names."""
+        model, tokenizer = src.target()
+        head = src.drafter(model)
+        head.base.export_pretrained(out, tokenizer)
+        add_legacy_keys(out)
+        (out / "acceptance_head").mkdir()
+        save_file({k: v.contiguous() for k, v in src.weights.items()},
+                  str(out / "acceptance_head" / "model.safetensors"))
+        keys = ("acceptance_layers", "adaptive_threshold", "min_draft", "acceptance_label")
+        (out / "acceptance_head" / "config.json").write_text(json.dumps(
+            {"hidden_size": head.out.in_features, **{k: head.settings[k] for k in keys},
+             "input": "the draft model's last hidden state (after its final norm) at the draft token",
+             "output": "logit of P(the target accepts the token); stop once 1 - prod(p) > adaptive_threshold"},
+            indent=2))
+        base = Path(src.config["base"])
+        native = Path(meta["native_dir"])
+        shutil.copytree(base, native / "base", ignore=shutil.ignore_patterns(STATE_NAME, "*.tmp"))
+        config = {**src.config, "base": "base"}   # relative to draftlab/: the export loads wherever it is copied
+        (native / CONFIG_NAME).write_text(json.dumps(config, indent=2))
+        return {"acceptance_head": True}
 
 
 class AdaptiveProposer(CausalLMProposer):

@@ -21,15 +21,20 @@ code's extra factor 512/T: it makes the noise depend on the sample length (about
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import DynamicCache
 
 from draftlab import drafting, vocab
-from draftlab.drafters.options import DrafterConfig, DraftVocabOption, setting_names, settings
+from draftlab.drafters.options import DrafterConfig, DraftVocabOption, check_target_size, setting_names, settings
+from draftlab.errors import HubError
+from draftlab.serving import layer_config
 from draftlab.trees import additive
 
 
@@ -97,6 +102,9 @@ class EagleHead(nn.Module):
     """
 
     kind = "eagle"
+    config_class = EagleConfig
+    card_name = "EAGLE-1/2 head (feature-level autoregressive draft head)"
+    export_format = "eagle"         # the official EAGLE-1/2 layout
     feature_layers = (-1,)
 
     def __init__(self, target, num_layers: int = 1, feature_noise: float = 0.2, reg_weight: float = 1.0,
@@ -169,15 +177,9 @@ class EagleHead(nn.Module):
     @classmethod
     def from_config(cls, config: dict, target) -> "EagleHead":
         """Rebuild (untrained weights) from `drafter_config()` output; load the state dict afterwards."""
+        check_target_size(cls.kind, config.get("target") or {}, target)
         own = {k: v for k, v in settings(EagleConfig, config).items() if k != "init_from_target"}
-        head = cls(target, **own,
-                   draft_vocab=config.get("draft_vocab"))
-        saved = config.get("target") or {}
-        for key in ("hidden_size", "vocab_size"):
-            if key in saved and saved[key] != getattr(head, key):
-                raise ValueError(f"eagle checkpoint was trained for a target with {key}={saved[key]} but this "
-                                 f"target has {getattr(head, key)}: load it with the target it was trained on")
-        return head
+        return cls(target, **own, draft_vocab=config.get("draft_vocab"))
 
     def prepare(self, dataset) -> None:
         """Choose the draft vocabulary (drafter.draft_vocab_size) from the training rows' assistant tokens."""
@@ -270,6 +272,35 @@ class EagleHead(nn.Module):
     def proposer(self, target=None, **opts) -> "EagleProposer":
         return EagleProposer(self, **opts)
 
+    # --- export --------------------------------------------------------------------------------------------
+    @staticmethod
+    def export(src, out: Path, meta: dict) -> dict:
+        """EAGLE-1/2 in the layout of the official EAGLE code: SafeAILab/EAGLE eagle/model/cnets1.py `Model`
+        (loaded by eagle/model/ea_model.py `EaModel.from_pretrained(use_eagle3=False, ...)`, which reads config.json
+        and pytorch_model.bin or model.safetensors). Its names are ours (fc.*, layers.{i}.*, no input_layernorm in
+        layer 0) plus embed_tokens.weight, the target's embedding, which the older strict loaders require. A head
+        trained without an FC bias gets a zero fc.bias (the same function) so loaders that build the bias get one."""
+        text = src.target_config()
+        weights = dict(src.weights)
+        layers, dtype = src.config.get("num_layers", 1), weights["fc.weight"].dtype
+        weights.setdefault("fc.bias", torch.zeros(text.hidden_size, dtype=dtype))
+        weights["embed_tokens.weight"] = src.target()[0].get_input_embeddings().weight.detach().to("cpu", dtype)
+        qkv_bias = "layers.0.self_attn.q_proj.bias" in weights
+        linear = [f"self_attn.{n}_proj" for n in "qkvo"] + [f"mlp.{n}_proj" for n in ("gate", "up", "down")]
+        names = [f"{n}.weight" for n in linear] + ["post_attention_layernorm.weight"]
+        names += [f"self_attn.{n}_proj.bias" for n in "qkv" if qkv_bias]
+        expected = {"fc.weight", "fc.bias", "embed_tokens.weight"} | {
+            f"layers.{i}.{n}" for i in range(layers) for n in names + ["input_layernorm.weight"] * (i > 0)}
+        if set(weights) != expected:
+            odd = sorted(set(weights) ^ expected)[:3]
+            raise HubError(f"this eagle head has weights the official EAGLE code does not know ({odd}): its target "
+                           f"architecture ({text.model_type}) is not a Llama-style one; export with --format draftlab")
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"), {"format": "pt"})
+        config = {"architectures": src.architectures() or ["LlamaForCausalLM"], **layer_config(text, layers),
+                  "bias": True, "qkv_bias": qkv_bias, "torch_dtype": str(dtype).removeprefix("torch.")}
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return {"fc_bias": bool(src.config.get("fc_bias", True)), "num_layers": layers}
+
 
 class EagleProposer:
     """Drafts chains and trees (`drafting`) with an EagleHead over its own KV cache of real pairs (f_t, x_{t+1}).
@@ -339,7 +370,7 @@ class EagleProposer:
         n = len(nodes)
         tokens = torch.tensor([tree.tokens[i] for i in nodes], device=device)
         depth = torch.tensor([tree.depths[i] for i in nodes], device=device)
-        hidden = torch.stack([self.outputs[p] if p >= 0 else self.root_hidden for p in (tree.parents[i] for i in nodes)])
+        hidden = torch.stack([self.outputs.get(tree.parents[i], self.root_hidden) for i in nodes])
         visible = torch.cat([torch.ones(n, self.num_real, dtype=torch.bool, device=device),
                              tree.sees(nodes, self.fed, device), torch.eye(n, dtype=torch.bool, device=device)], dim=1)
         out = self.head(hidden[None], tokens[None], (self.num_real + depth - 1)[None],

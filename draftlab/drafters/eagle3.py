@@ -35,19 +35,26 @@ The proposer sees logits over the target vocabulary with -inf outside the draft 
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import DynamicCache
 
 from draftlab import vocab
 from draftlab.drafters.eagle import EagleProposer, own_feature_steps, ttt_mask
-from draftlab.drafters.options import DrafterConfig, DraftVocabOption, settings
-from draftlab.vocab import AUTO_DRAFT_VOCAB, expand_logits, vocab_maps  # noqa: F401  (re-exported)
+from draftlab.drafters.options import DrafterConfig, DraftVocabOption, check_target_size, settings
+from draftlab.serving import layer_config
+from draftlab.vocab import AUTO_DRAFT_VOCAB, expand_logits, vocab_maps
 
+
+
+SPECULATORS_VERSION = "0.9.0"    # the speculators release whose config classes the export was checked with
 
 
 @dataclass
@@ -88,6 +95,9 @@ class EagleHead3(nn.Module):
     """
 
     kind = "eagle3"
+    config_class = Eagle3Config
+    card_name = "EAGLE-3 head (multi-layer feature fusion, training-time test)"
+    export_format = "speculators"   # vllm-project/speculators, which vLLM serves
 
     def __init__(self, target, aux_layers: list[int] | None = None, ttt_steps: int = 7, ttt_decay: float = 0.8,
                  draft_vocab_size: int = 0, draft_vocab: list[int] | None = None, init_from_target: bool = False,
@@ -184,11 +194,7 @@ class EagleHead3(nn.Module):
 
     @classmethod
     def from_config(cls, config: dict, target) -> "EagleHead3":
-        text = target.config.get_text_config()
-        for key in ("hidden_size", "vocab_size"):
-            if key in config and config[key] != getattr(text, key):
-                raise ValueError(f"eagle3 checkpoint was trained for {key}={config[key]} but the target has "
-                                 f"{getattr(text, key)}: load it with the target it was trained on")
+        check_target_size(cls.kind, config, target)
         own = {k: v for k, v in settings(Eagle3Config, config).items() if k not in ("aux_layers", "init_from_target")}
         return cls(target, aux_layers=config["aux_layers"], draft_vocab=config.get("draft_vocab"), **own,
                    **{k: config.get(k, v) for k, v in _VARIANTS.items()})
@@ -324,6 +330,60 @@ class EagleHead3(nn.Module):
 
     def proposer(self, target=None, **opts) -> "EagleProposer3":
         return EagleProposer3(self)
+
+    # --- export --------------------------------------------------------------------------------------------
+    @staticmethod
+    def export(src, out: Path, meta: dict) -> dict:
+        """EAGLE-3 in the speculators format that vLLM serves. Config: vllm-project/speculators
+        src/speculators/config.py (`SpeculatorModelConfig`, `SpeculatorsConfig`, `VerifierConfig`),
+        src/speculators/models/eagle3/config.py (`Eagle3SpeculatorConfig`), proposals/greedy.py; the full template is
+        NVIDIA/TensorRT-Model-Optimizer examples/speculative_decoding/scripts/convert_to_vllm_ckpt.py. Weights:
+        speculators/models/eagle3/core.py + model_definitions.py: fc, layers.0.* whose input_layernorm normalises the
+        token embedding and hidden_norm the fused state (our emb_norm and layer.input_layernorm), norm, lm_head, and
+        d2t (int64 [Vd], target id = draft id + d2t) / t2d (bool [V]) when the draft vocabulary is reduced."""
+        renamed = {"emb_norm.weight": "layers.0.input_layernorm.weight",
+                   "layer.input_layernorm.weight": "layers.0.hidden_norm.weight"}
+        weights = {renamed.get(k, k.replace("layer.", "layers.0.", 1) if k.startswith("layer.") else k): v.contiguous()
+                   for k, v in src.weights.items()}
+        text = src.target_config()
+        vocab_size = text.vocab_size
+        # the draft's (frozen) token embedding is the target's: carried, so speculators' loader need not refill it from
+        # the verifier (the issue saw it left at zero without it)
+        embed = src.target()[0].get_input_embeddings().weight.detach()
+        weights["embed_tokens.weight"] = embed.to("cpu", weights["fc.weight"].dtype).contiguous()
+        draft_vocab = src.config.get("draft_vocab")
+        if draft_vocab:
+            ids = torch.tensor(sorted(draft_vocab), dtype=torch.long)
+            weights["d2t"] = ids - torch.arange(len(ids))
+            weights["t2d"] = torch.zeros(vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+        save_file(weights, str(out / "model.safetensors"), {"format": "pt"})
+        k = int(meta.get("draft_length") or 5)
+        config = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
+                                      "accept_tolerance": 0.0}],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": src.verifier, "architectures": src.architectures()},
+            },
+            "transformer_layer_config": layer_config(text, 1),
+            "draft_vocab_size": len(draft_vocab) if draft_vocab else vocab_size,
+            # draftlab's own heads keep the un-normalised fused state as the first layer's residual (vLLM's default is
+            # True) and use neither extra norm; heads imported from speculators keep their settings
+            "norm_before_residual": bool(src.config.get("norm_before_residual", False)),
+            "norm_before_fc": bool(src.config.get("norm_before_fc", False)),
+            "norm_output": bool(src.config.get("norm_output", False)),
+            "target_hidden_size": text.hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(src.config["aux_layers"]),
+            "torch_dtype": str(weights["fc.weight"].dtype).removeprefix("torch."),
+        }
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        aux = list(src.config["aux_layers"])
+        return {"aux_layers": aux, "draft_vocab_size": config["draft_vocab_size"],
+                "repeated_aux": len(set(aux)) < len(aux)}
 
 
 class EagleProposer3(EagleProposer):

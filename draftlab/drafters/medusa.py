@@ -1,4 +1,4 @@
-"""Medusa heads: K parallel heads on the target's last hidden state (Medusa-1), and Medusa-2 with LoRA.
+"""Medusa heads: K parallel heads on the target's last hidden state (Medusa-1; Medusa-2 is in medusa2.py).
 
 Paper: Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding Heads" (ICML 2024);
 method_specs.md 3 (training) and 1.5 (static trees).
@@ -9,15 +9,6 @@ initialised from the target's LM head. From the post-norm state h_t, head k pred
 target's own head predicts x_{t+1}); 1-based, head k predicts x_{t+1+k}. Loss: sum_k medusa_weight *
 medusa_decay^(k+1) * CE_k (the official recipe's 1-based decay), each CE over positions whose label is an
 assistant token.
-
-Medusa-2 (kind "medusa2"): the same heads trained jointly with LoRA adapters on the target (peft, all linear
-layers but the LM head) plus kl_weight * KL(p_original || p_adapted) on the target's next-token distribution
-(the reference has the adapters disabled), which keeps the adapted model close to the original. The model
-being served is then the ADAPTED target (the LoRA weights merge into it): its outputs are what Medusa-2
-speculation reproduces exactly, and those differ slightly from the original target's. Evaluation is therefore
-against the adapted target: `from_target` / `from_config` install the adapters into the target object they
-are given, so the evaluator's verifier, its target-only baseline and the proposer's features all come from the
-adapted model (lossless is relative to it), and the training metrics report how far it drifted (kl, agree).
 
 Tree choices: while training, the loss keeps a running tally (decayed by 0.99 per step) of the rank at which
 each head's top-10 list holds the label. `drafter_config()` turns those per-head, per-rank accuracies into a
@@ -38,15 +29,17 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from contextlib import contextmanager
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from draftlab import drafting, vocab
-from draftlab.drafters.options import DrafterConfig, DraftVocabOption, LoraOptions, setting_names, settings
+from draftlab.drafters.options import DrafterConfig, DraftVocabOption, check_target_size, setting_names, settings
 from draftlab.trees import EAGLE_DEFAULT_CHOICES, DraftTree, static_tree_layout
 
 TOPK = 10                      # ranks tallied per head, and the widest rank a static tree may use
@@ -67,17 +60,6 @@ class MedusaConfig(DraftVocabOption, DrafterConfig):
     """lambda_0, the coefficient of the heads' loss."""
     medusa_tree_nodes: int = 63
     """Nodes of the static tree built from the per-head accuracies measured in training."""
-
-
-@dataclass
-class Medusa2Config(LoraOptions, MedusaConfig):
-    """drafter.* keys of drafter.kind=medusa2: Medusa heads trained jointly with LoRA adapters on the target."""
-    kind: str = "medusa2"
-    lora_r: int = 32
-    """Rank of the LoRA adapters on the target (at least 1)."""
-    kl_weight: float = 1.0
-    """Weight of KL(original target || adapted target), which keeps the served model close to the original."""
-
 
 
 def prior_accuracy(num_heads: int, ranks: int = TOPK) -> Tensor:
@@ -106,13 +88,15 @@ def choices_from_accuracy(acc: Tensor, num_nodes: int) -> list[list[int]]:
 
 
 class ResBlock(nn.Module):
-    """x + SiLU(W x + b), zero-initialised: the identity until trained. [..., d] -> [..., d]."""
+    """x + SiLU(W x + b): [..., d] -> [..., d]. identity: W and b start at zero (Medusa's heads begin as the
+    identity); otherwise the default Linear initialisation (the acceptance head's blocks)."""
 
-    def __init__(self, d: int):
+    def __init__(self, d: int, identity: bool = True):
         super().__init__()
         self.linear = nn.Linear(d, d)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
+        if identity:
+            nn.init.zeros_(self.linear.weight)
+            nn.init.zeros_(self.linear.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return x + F.silu(self.linear(x))
@@ -122,7 +106,11 @@ class MedusaHeads(nn.Module):
     """K Medusa heads on the target's post-norm last hidden state (Medusa-1: the target stays frozen)."""
 
     kind = "medusa"
+    card_name = "Medusa-1 heads"
+    export_format = "medusa"        # FasterDecoding/Medusa's layout, which TGI reads
     feature_layers = (-1,)
+    adapts_target = False
+    config_class = MedusaConfig
 
     def __init__(self, target, medusa_heads: int = 4, medusa_layers: int = 1, medusa_decay: float = 0.8,
                  medusa_weight: float = 0.2, medusa_tree_nodes: int = 63, tree_choices: list | None = None,
@@ -194,12 +182,12 @@ class MedusaHeads(nn.Module):
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_target(cls, target, cfg=None) -> "MedusaHeads":
-        """cfg: a MedusaConfig node or any object with its fields (missing ones and None = the defaults)."""
-        return cls(target, **settings(MedusaConfig, cfg))
+        """cfg: a config_class node or any object with its fields (missing ones and None = the defaults)."""
+        return cls(target, **settings(cls.config_class, cfg))
 
     def drafter_config(self) -> dict:
         return {"kind": self.kind, "feature_layers": list(self.feature_layers), "hidden_size": self.hidden_size,
-                "vocab_size": self.vocab_size, **{k: getattr(self, k) for k in setting_names(MedusaConfig)},
+                "vocab_size": self.vocab_size, **{k: getattr(self, k) for k in setting_names(self.config_class)},
                 "head_accuracy": self.head_accuracy().tolist(), "accuracy_measured": bool((self.seen > 0).all()),
                 "tree_choices": self.tree_choices(),
                 "draft_vocab": self.draft_vocab.tolist() if self.reduced else None}
@@ -215,18 +203,10 @@ class MedusaHeads(nn.Module):
         return vocab.checkpoint_maps(self.draft_vocab, self.vocab_size)
 
     @classmethod
-    def _check_target(cls, config: dict, target) -> None:
-        text = target.config.get_text_config()
-        for key in ("hidden_size", "vocab_size"):
-            if key in config and config[key] != getattr(text, key):
-                raise ValueError(f"{config.get('kind')} checkpoint was trained for {key}={config[key]} but the "
-                                 f"target has {getattr(text, key)}: load it with the target it was trained on")
-
-    @classmethod
     def from_config(cls, config: dict, target) -> "MedusaHeads":
-        cls._check_target(config, target)
+        check_target_size(cls.kind, config, target)
         return cls(target, tree_choices=config.get("tree_choices"), head_accuracy=config.get("head_accuracy"),
-                   draft_vocab=config.get("draft_vocab"), **settings(MedusaConfig, config))
+                   draft_vocab=config.get("draft_vocab"), **settings(cls.config_class, config))
 
     # --- heads, loss, measured accuracies -----------------------------------------------------------------
     def head_logits(self, hidden: Tensor) -> Tensor:
@@ -289,6 +269,34 @@ class MedusaHeads(nn.Module):
     def proposer(self, target=None, **opts) -> "MedusaProposer":
         return MedusaProposer(self)
 
+    # --- export --------------------------------------------------------------------------------------------
+    @classmethod
+    def export(cls, src, out: Path, meta: dict) -> dict:
+        """Medusa heads as FasterDecoding/Medusa writes them (medusa/train/train_legacy.py): config.json with
+        medusa_num_heads, medusa_num_layers, base_model_name_or_path, and the `medusa_head` ModuleList's state dict
+        ({k}.{j}.linear.weight/bias per ResBlock, {k}.{L}.weight for the vocabulary projection) in
+        medusa_lm_head.safetensors (read by TGI and TensorRT-LLM) and medusa_lm_head.pt (read by
+        medusa/model/medusa_model*.py)."""
+        heads = {k.removeprefix("heads."): v.contiguous() for k, v in src.weights.items() if k.startswith("heads.")}
+        if src.config.get("draft_vocab"):            # the format has no draft vocabulary: full projections, lossless
+            heads = full_projections(heads, src.config["draft_vocab"], src.target()[0].get_output_embeddings().weight,
+                                     src.config["medusa_layers"])
+        save_file(heads, str(out / "medusa_lm_head.safetensors"), {"format": "pt"})
+        torch.save(heads, out / "medusa_lm_head.pt")
+        base = cls.export_base(src, out, meta)
+        config = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
+        config.update(medusa_num_heads=src.config["medusa_heads"], medusa_num_layers=src.config["medusa_layers"],
+                      base_model_name_or_path=base, version="2")
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (out / "medusa_choices.json").write_text(json.dumps(src.config.get("tree_choices")) + "\n")
+        return {"heads": src.config["medusa_heads"], "layers": src.config["medusa_layers"],
+                "merged_target": cls.adapts_target}
+
+    @staticmethod
+    def export_base(src, out: Path, meta: dict) -> str:
+        """What the export's base_model_name_or_path names: the target."""
+        return src.verifier
+
 
 class MedusaProposer:
     """Drafts from the heads at the newest target state: root = the newest token (the target's own head made
@@ -331,98 +339,6 @@ class MedusaProposer:
         if spec.kind == "static" and [list(c) for c in spec.choices] == EAGLE_DEFAULT_CHOICES:
             spec = dataclasses.replace(spec, choices=self.choices)
         return drafting.propose(self, spec, sampling, generator)
-
-
-class Medusa2Lora(MedusaHeads):
-    """Medusa-2: MedusaHeads trained jointly with LoRA adapters installed IN PLACE in the target (see the module
-    docstring: the adapted target is the model served and evaluated). It runs the target itself inside `loss`
-    (feature_layers = ()); the proposer still reads the post-norm state that the evaluator's forward gives."""
-
-    kind = "medusa2"
-    feature_layers = ()
-    adapts_target = True          # the target's outputs change while training: target-only baselines go stale
-
-    def __init__(self, target, lora_r: int = 32, lora_alpha: int = 64, lora_dropout: float = 0.0,
-                 kl_weight: float = 1.0, **medusa):
-        from peft import LoraConfig, inject_adapter_in_model
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        if any(isinstance(m, BaseTunerLayer) for m in target.modules()):
-            raise ValueError("the target already carries LoRA adapters: load a fresh target for this medusa2 "
-                             "drafter (one target can hold one set of Medusa-2 adapters)")
-        if lora_r < 1:
-            raise ValueError(f"drafter.lora_r={lora_r}: Medusa-2 needs LoRA adapters of rank >= 1 "
-                             "(recipes/medusa2_lora.yaml uses 32)")
-        super().__init__(target, **medusa)
-        lora_alpha = lora_alpha or 2 * lora_r              # 0 = 2r, the convention small_lm uses too
-        self.lora_r, self.lora_alpha, self.lora_dropout, self.kl_weight = lora_r, lora_alpha, lora_dropout, kl_weight
-        config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules="all-linear",
-                            bias="none")
-        self.backbone = inject_adapter_in_model(config, target)   # registered: its LoRA weights train and save
-        self.backbone.eval()
-
-    @classmethod
-    def from_target(cls, target, cfg=None) -> "Medusa2Lora":
-        return cls(target, **settings(Medusa2Config, cfg))
-
-    @classmethod
-    def from_config(cls, config: dict, target) -> "Medusa2Lora":
-        cls._check_target(config, target)
-        return cls(target, tree_choices=config.get("tree_choices"), head_accuracy=config.get("head_accuracy"),
-                   draft_vocab=config.get("draft_vocab"),
-                   **settings(Medusa2Config, config))
-
-    def drafter_config(self) -> dict:
-        return {**super().drafter_config(), **{k: getattr(self, k) for k in setting_names(Medusa2Config)}}
-
-    def train(self, mode: bool = True) -> "Medusa2Lora":
-        super().train(mode)
-        self.backbone.eval()                 # the target never trains in dropout mode; only its adapters learn
-        return self
-
-    @contextmanager
-    def original_target(self):
-        """The target with its adapters switched off (the reference for the KL term)."""
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        layers = [m for m in self.backbone.modules() if isinstance(m, BaseTunerLayer)]
-        for m in layers:
-            m.enable_adapters(False)
-        try:
-            yield self.backbone
-        finally:
-            for m in layers:
-                m.enable_adapters(True)
-
-    def loss(self, batch: dict, features: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-        """kl_weight * KL(p_original || p_adapted) on positions whose next token is an assistant token, plus the
-        heads' loss on the adapted target's last state. features: ignored (None from the training loop)."""
-        from draftlab.losses import forward_kl
-
-        ids, attn = batch["input_ids"], batch["attention_mask"]
-        out = self.backbone(input_ids=ids, attention_mask=attn, output_hidden_states=True)
-        with torch.no_grad(), self.original_target() as original:
-            reference = original(input_ids=ids, attention_mask=attn).logits
-        mask = batch["loss_mask"][:, 1:].bool() & attn[:, 1:].bool() & attn[:, :-1].bool()
-        kl = forward_kl(out.logits[:, :-1], reference[:, :-1], mask)
-        heads, metrics = self.heads_loss(batch, out.hidden_states[-1])
-        agree = (out.logits[:, :-1].argmax(-1) == reference[:, :-1].argmax(-1)) & mask
-        metrics.update(kl=kl.item(), agree=(agree.sum() / mask.sum().clamp(min=1)).item())
-        return self.kl_weight * kl + heads, metrics
-
-    def proposer(self, target=None, **opts) -> "MedusaProposer":
-        if target is not None and target is not self.backbone:
-            raise ValueError("a medusa2 drafter speculates for its adapted target: pass the target it was built on")
-        return MedusaProposer(self)
-
-    @torch.no_grad()
-    def merge_adapters(self) -> None:
-        """Fold the LoRA weights into the target's linear layers (for serving or export; stop training after)."""
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        for m in self.backbone.modules():
-            if isinstance(m, BaseTunerLayer):
-                m.merge()
 
 
 def full_projections(weights: dict[str, Tensor], draft_vocab: list[int], lm_head_weight: Tensor,

@@ -15,6 +15,12 @@ class DrafterConfig:
     kind: str = "eagle"
     """Drafter kind: one of draftlab.drafters.DRAFTERS (eagle, eagle3, medusa, medusa2, small_lm, acceptance)."""
 
+    @staticmethod
+    def run_problem(cfg) -> str | None:
+        """What makes the whole run config `cfg` unusable for this kind, in one line (None: nothing); config.validate
+        raises it before anything loads."""
+        return None
+
 
 @dataclass
 class DraftVocabOption:
@@ -51,6 +57,16 @@ def settings(config_class, source=None) -> dict:
             value = getattr(source, f.name, default)
         out[f.name] = list(value) if isinstance(default, list) and value is not None else value
     return out
+
+
+def check_target_size(kind: str, saved: dict, target) -> None:
+    """Refuse to rebuild a `kind` checkpoint for a target of another width or vocabulary (saved: the sizes it
+    recorded)."""
+    text = target.config.get_text_config()
+    for key in ("hidden_size", "vocab_size"):
+        if key in saved and saved[key] != getattr(text, key):
+            raise ValueError(f"{kind} checkpoint was trained for a target with {key}={saved[key]} but this target has "
+                             f"{getattr(text, key)}: load it with the target it was trained on")
 
 
 def setting_names(config_class) -> list[str]:

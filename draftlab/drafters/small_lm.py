@@ -45,6 +45,7 @@ from draftlab import vocab
 from draftlab.drafters.options import DrafterConfig, DraftVocabOption, LoraOptions, settings
 from draftlab.errors import ConfigError
 from draftlab.proposers import CausalLMProposer
+from draftlab.serving import add_legacy_keys
 
 MODES = ("offline_blackbox", "offline_whitebox", "online_whitebox", "online_blackbox")
 
@@ -88,6 +89,13 @@ class SmallLMConfig(LoraOptions, DraftVocabOption, DrafterConfig):
     """Online modes: tokens generated per prompt by the student (online_whitebox) or the target (online_blackbox)."""
     teacher_topk: int = 20
     """offline_whitebox: the target's top-k log-probs (plus tail mass) read from data.store."""
+
+    @staticmethod
+    def run_problem(cfg) -> str | None:
+        if cfg.drafter.distill_mode == "offline_whitebox" and not cfg.data.store:
+            return ("drafter.distill_mode=offline_whitebox reads the target's top-k logits from a store: set "
+                    "data.store=PATH (built on first use)")
+        return None
 
 
 class VocabularyMismatchError(ConfigError):
@@ -196,14 +204,6 @@ def layer_subset(target, s: dict):
     return model
 
 
-def _eos_ids(model) -> list[int]:
-    ids = set()
-    for source in (model.config, getattr(model, "generation_config", None)):
-        eos = getattr(source, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-    return sorted(ids)
-
-
 # ----------------------------------------------------------------------------------------------------------
 # batches of prompts and continuations (the online modes)
 
@@ -267,6 +267,9 @@ class SmallLM(nn.Module):
     """
 
     kind = "small_lm"
+    config_class = SmallLMConfig
+    card_name = "small draft language model"
+    export_format = "hf"            # a transformers folder: `assistant_model`, vLLM and SGLang draft models
     feature_layers: tuple[int, ...] = ()
     teacher_topk = 0
 
@@ -284,7 +287,9 @@ class SmallLM(nn.Module):
         self.__dict__["target"] = target
         self.__dict__["tokenizer"] = tokenizer
         self.teacher_topk = settings["teacher_topk"] if settings["distill_mode"] == "offline_whitebox" else 0
-        self.eos_ids = _eos_ids(target)
+        from draftlab.target import eos_ids
+
+        self.eos_ids = eos_ids(None, target)
         pad = getattr(target.config, "pad_token_id", None)
         self.pad_id = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
         # the model's own LM head read on the draft vocabulary (all rows until prepare() or a checkpoint sets one)
@@ -478,3 +483,12 @@ class SmallLM(nn.Module):
         if tokenizer is not None:
             tokenizer.save_pretrained(str(folder))
         return folder
+
+    @staticmethod
+    def export(src, out: Path, meta: dict) -> dict:
+        """A standard transformers folder (config, weights, generation config, tokenizer) that loads with
+        AutoModelForCausalLM and drafts as `assistant_model`; written by the drafter's own export_pretrained."""
+        model, tokenizer = src.target()
+        src.drafter(model).export_pretrained(out, tokenizer)
+        add_legacy_keys(out)
+        return {}
