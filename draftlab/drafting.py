@@ -57,11 +57,14 @@ class Nodes:
             node = self.parents[node]
         return out[::-1]
 
-    def sees(self, nodes: list[int], entries: list[int], device) -> Tensor:
-        """bool [len(nodes), len(entries)]: entry c (a node fed earlier) is an ancestor of nodes[r]."""
-        column = {node: c for c, node in enumerate(entries)}
-        visible = torch.zeros(len(nodes), len(entries), dtype=torch.bool)
+    def visibility(self, nodes: list[int], prefix: int, fed: list[int], device) -> Tensor:
+        """What `nodes`, fed next into a cache of `prefix` committed entries then the draft nodes `fed`, attend to:
+        bool [n, prefix + len(fed) + n], the committed prefix, their ancestors among `fed`, and themselves."""
+        column = {node: prefix + c for c, node in enumerate(fed)}
+        visible = torch.zeros(len(nodes), prefix + len(fed) + len(nodes), dtype=torch.bool)
+        visible[:, :prefix] = True
         for r, node in enumerate(nodes):
+            visible[r, prefix + len(fed) + r] = True
             for a in self.path(self.parents[node]):
                 if a in column:
                     visible[r, column[a]] = True

@@ -195,9 +195,7 @@ class CausalLMProposer:
             self.cached.extend(ids)
         else:
             device = self.model.device
-            visible = torch.cat([torch.ones(len(nodes), self.prefix, dtype=torch.bool, device=device),
-                                 tree.sees(nodes, self.fed, device),
-                                 torch.eye(len(nodes), dtype=torch.bool, device=device)], dim=1)
+            visible = tree.visibility(nodes, self.prefix, self.fed, device)
             positions = torch.tensor([[self.prefix - 1 + tree.depths[n] for n in nodes]], device=device)
             logits = self._forward(ids, 0, attention_mask=additive(visible, self.model.dtype), position_ids=positions)
             self.cached.extend([None] * len(nodes))

@@ -107,9 +107,12 @@ class EagleHead(nn.Module):
     export_format = "eagle"         # the official EAGLE-1/2 layout
     feature_layers = (-1,)
 
-    def __init__(self, target, num_layers: int = 1, feature_noise: float = 0.2, reg_weight: float = 1.0,
-                 cls_weight: float = 0.1, fc_bias: bool = True, draft_vocab_size: int = 0,
-                 init_from_target: bool = False, harmonized_steps: int = 1, topk_weight: float = 0.0,
+    def __init__(self, target, num_layers: int = EagleConfig.num_layers,
+                 feature_noise: float = EagleConfig.feature_noise, reg_weight: float = EagleConfig.reg_weight,
+                 cls_weight: float = EagleConfig.cls_weight, fc_bias: bool = EagleConfig.fc_bias,
+                 draft_vocab_size: int = EagleConfig.draft_vocab_size,
+                 init_from_target: bool = EagleConfig.init_from_target,
+                 harmonized_steps: int = EagleConfig.harmonized_steps, topk_weight: float = EagleConfig.topk_weight,
                  draft_vocab: list[int] | None = None):
         super().__init__()
         decoder = target.get_decoder()
@@ -367,12 +370,10 @@ class EagleProposer:
         """One batched head forward over draft nodes: each reads (f^ of its parent, its token) at position
         N + depth - 1 and sees the real pairs, its fed ancestors and itself."""
         device = self.tokens.device
-        n = len(nodes)
         tokens = torch.tensor([tree.tokens[i] for i in nodes], device=device)
         depth = torch.tensor([tree.depths[i] for i in nodes], device=device)
         hidden = torch.stack([self.outputs.get(tree.parents[i], self.root_hidden) for i in nodes])
-        visible = torch.cat([torch.ones(n, self.num_real, dtype=torch.bool, device=device),
-                             tree.sees(nodes, self.fed, device), torch.eye(n, dtype=torch.bool, device=device)], dim=1)
+        visible = tree.visibility(nodes, self.num_real, self.fed, device)
         out = self.head(hidden[None], tokens[None], (self.num_real + depth - 1)[None],
                         additive(visible, self.head.fc.weight.dtype), self.cache)[0]
         self.outputs.update(zip(nodes, out))

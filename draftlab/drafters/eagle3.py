@@ -99,9 +99,12 @@ class EagleHead3(nn.Module):
     card_name = "EAGLE-3 head (multi-layer feature fusion, training-time test)"
     export_format = "speculators"   # vllm-project/speculators, which vLLM serves
 
-    def __init__(self, target, aux_layers: list[int] | None = None, ttt_steps: int = 7, ttt_decay: float = 0.8,
-                 draft_vocab_size: int = 0, draft_vocab: list[int] | None = None, init_from_target: bool = False,
-                 norm_before_fc: bool = False, norm_before_residual: bool = False, norm_output: bool = False):
+    def __init__(self, target, aux_layers: list[int] | None = None, ttt_steps: int = Eagle3Config.ttt_steps,
+                 ttt_decay: float = Eagle3Config.ttt_decay, draft_vocab_size: int = Eagle3Config.draft_vocab_size,
+                 draft_vocab: list[int] | None = None, init_from_target: bool = Eagle3Config.init_from_target,
+                 norm_before_fc: bool = _VARIANTS["norm_before_fc"],
+                 norm_before_residual: bool = _VARIANTS["norm_before_residual"],
+                 norm_output: bool = _VARIANTS["norm_output"]):
         super().__init__()
         decoder = target.get_decoder()
         config = copy.deepcopy(target.config.get_text_config(decoder=True))

@@ -112,9 +112,12 @@ class MedusaHeads(nn.Module):
     adapts_target = False
     config_class = MedusaConfig
 
-    def __init__(self, target, medusa_heads: int = 4, medusa_layers: int = 1, medusa_decay: float = 0.8,
-                 medusa_weight: float = 0.2, medusa_tree_nodes: int = 63, tree_choices: list | None = None,
-                 head_accuracy: list | None = None, draft_vocab_size: int = 0, draft_vocab: list[int] | None = None):
+    def __init__(self, target, medusa_heads: int = MedusaConfig.medusa_heads,
+                 medusa_layers: int = MedusaConfig.medusa_layers, medusa_decay: float = MedusaConfig.medusa_decay,
+                 medusa_weight: float = MedusaConfig.medusa_weight,
+                 medusa_tree_nodes: int = MedusaConfig.medusa_tree_nodes, tree_choices: list | None = None,
+                 head_accuracy: list | None = None, draft_vocab_size: int = MedusaConfig.draft_vocab_size,
+                 draft_vocab: list[int] | None = None):
         super().__init__()
         if medusa_heads < 1 or medusa_layers < 0:
             raise ValueError(f"drafter.medusa_heads={medusa_heads} must be >= 1 and medusa_layers={medusa_layers} "

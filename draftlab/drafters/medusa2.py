@@ -53,11 +53,12 @@ class Medusa2Lora(MedusaHeads):
     card_note = ("Medusa-2 trains LoRA adapters on the target jointly with the heads: the model served is the adapted "
                  "target (merged here), whose outputs differ slightly from the original target's.")
     feature_layers = ()
-    adapts_target = True
-    config_class = Medusa2Config          # the target's outputs change while training: target-only baselines go stale
+    adapts_target = True          # the target's outputs change while training: target-only baselines go stale
+    config_class = Medusa2Config
 
-    def __init__(self, target, lora_r: int = 32, lora_alpha: int = 64, lora_dropout: float = 0.0,
-                 kl_weight: float = 1.0, **medusa):
+    def __init__(self, target, lora_r: int = Medusa2Config.lora_r, lora_alpha: int = Medusa2Config.lora_alpha,
+                 lora_dropout: float = Medusa2Config.lora_dropout, kl_weight: float = Medusa2Config.kl_weight,
+                 **medusa):
         from peft import LoraConfig, inject_adapter_in_model
         from peft.tuners.tuners_utils import BaseTunerLayer
 
