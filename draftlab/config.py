@@ -103,6 +103,10 @@ class TrainConfig:
     """Bucketing window: batches' worth of conversations sorted by length together."""
     gradient_checkpointing: bool = False
     """Recompute the drafter's activations in the backward pass (less memory, more compute)."""
+    pack_tokens: int = 0
+    """Pack whole conversations into rows of at most N tokens (document-masked attention, positions restart per
+    conversation, no padding; `draftlab/packing.py`); batch_size then counts packed rows. 0 = off: batch_size
+    conversations padded to the longest. Must be at least data.max_length."""
     cache_features: bool = False
     """Keep each conversation's target features in memory after its first forward (the target is frozen, so they
     never change) and skip the target forward in later epochs. Memory: training tokens x feature size."""
@@ -183,6 +187,7 @@ CHOICES = {
     "drafter.distill_mode": ("offline_blackbox", "offline_whitebox", "online_whitebox", "online_blackbox"),
     "drafter.distill_loss": ("fkl", "rkl", "jsd", "tvd"),
     "drafter.acceptance_label": ("sampled", "greedy"),
+    "drafter.loss_position": ("drafted", "input"),
 }
 TRACKERS = ("none", "jsonl", "tensorboard", "wandb")
 SEEDS = "[0, 4294967295]"  # numpy's seed range (accelerate's set_seed seeds numpy too)
@@ -197,7 +202,7 @@ RANGES = {
                      "drafter.harmonized_steps", "drafter.medusa_heads", "drafter.medusa_tree_nodes", "drafter.rollout_tokens",
                      "drafter.teacher_topk", "drafter.min_draft"], "[1, inf)"),
     **dict.fromkeys(["train.lr", "train.max_minutes", "train.weight_decay", "train.warmup_steps", "train.grad_clip", "train.save_every",
-                     "train.keep_last", "train.num_threads", "data.limit", "data.regenerate_num", "eval.every",
+                     "train.keep_last", "train.num_threads", "train.pack_tokens", "data.limit", "data.regenerate_num", "eval.every",
                      "eval.repeats", "eval.temperature", "drafter.feature_noise", "drafter.reg_weight",
                      "drafter.topk_weight", "drafter.cls_weight", "drafter.medusa_layers", "drafter.medusa_weight", "drafter.lora_r", "drafter.lora_alpha",
                      "drafter.kl_weight", "drafter.hidden_size", "drafter.num_attention_heads",
@@ -462,6 +467,10 @@ def validate(cfg) -> None:
     problem = CONFIGS[cfg.drafter.kind].run_problem(cfg)
     if problem:
         raise ConfigError(problem)
+    if cfg.train.pack_tokens:
+        problem = packing_problem(cfg)
+        if problem:
+            raise ConfigError(problem)
     if cfg.hub.repo_id:
         problem = repo_id_problem(cfg.hub.repo_id, "config key hub.repo_id")
         if problem:
@@ -477,6 +486,20 @@ def validate(cfg) -> None:
     if cfg.eval.auto_draft_length and cfg.eval.tree != "chain":
         raise ConfigError(f"eval.auto_draft_length=true chooses a chain's length, but eval.tree={cfg.eval.tree}: set "
                           "eval.tree=chain (or eval.auto_draft_length=false)")
+
+
+def packing_problem(cfg) -> str | None:
+    """Why train.pack_tokens cannot be used with this run (None: it can)."""
+    n = cfg.train.pack_tokens
+    if n < cfg.data.max_length:
+        return (f"train.pack_tokens={n} is below data.max_length={cfg.data.max_length}: a conversation must fit a "
+                f"packed row; set train.pack_tokens to at least {cfg.data.max_length} (or lower data.max_length)")
+    if cfg.train.bucketed:
+        return "train.pack_tokens and train.bucketed=true both shape the batches: choose one (packing has no padding)"
+    if not CONFIGS[cfg.drafter.kind].packs(cfg.drafter):
+        return (f"train.pack_tokens: drafter.kind={cfg.drafter.kind} does not train on packed rows (it generates "
+                "or trains the target on its own batches): set train.pack_tokens=0")
+    return None
 
 
 def tracking_list(cfg) -> list[str]:

@@ -127,15 +127,20 @@ class Batches:
     the exact data position, saved with checkpoints.
 
     Bucketing sorts each global batch by length and deals its rows round-robin to the processes, so every
-    process gets rows of about the same length (no rank waits for a long one)."""
+    process gets rows of about the same length (no rank waits for a long one).
+
+    Packing (`pack_tokens` > 0, `draftlab.packing`): the epoch's permutation is packed into rows of at most
+    pack_tokens tokens, and a batch is batch_size such rows; an item of a batch is then the list of dataset
+    indices in one packed row."""
 
     def __init__(self, dataset, batch_size: int, world: int, rank: int, seed: int, pad_token_id: int,
-                 bucketed: bool = False, bucket_batches: int = 64):
+                 bucketed: bool = False, bucket_batches: int = 64, pack_tokens: int = 0):
         self.dataset, self.batch_size, self.world, self.rank = dataset, batch_size, world, rank
         self.seed, self.pad_token_id, self.micro_step = seed, pad_token_id, 0
         self.glob = batch_size * world
+        self.pack_tokens = pack_tokens
         # a data set smaller than one global batch cannot be bucketed without dropping everything
-        self.bucketed = bucketed and len(dataset) >= self.glob
+        self.bucketed = bucketed and len(dataset) >= self.glob and not pack_tokens
         self.bucket_batches = bucket_batches
         self._cached: tuple[int, list[list[int]]] | None = None
         self.per_epoch = len(self.epoch_batches(0))
@@ -145,7 +150,15 @@ class Batches:
         if self._cached is not None and self._cached[0] == epoch:
             return self._cached[1]
         n, glob = len(self.dataset), self.glob
-        if self.bucketed:
+        if self.pack_tokens:
+            from draftlab.packing import pack
+
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1000 + epoch)).tolist()
+            rows = pack(self.dataset.lengths, order, self.pack_tokens)
+            batches = [rows[i * glob:(i + 1) * glob] for i in range(max(1, len(rows) // glob))]
+            if len(batches[0]) < glob:  # fewer packed rows than processes x batch_size: repeat rows
+                batches = [(batches[0] * -(-glob // len(batches[0])))[:glob]]
+        elif self.bucketed:
             from draftlab.data import LengthBucketSampler
 
             sampler = LengthBucketSampler(self.dataset.lengths, glob, bucket_batches=self.bucket_batches,
@@ -168,12 +181,17 @@ class Batches:
             return chunk[self.rank::self.world]
         return chunk[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
 
-    def next(self) -> tuple[list[int], dict]:
-        """(dataset indices, collated batch) for the current position; advances the position."""
+    def next(self) -> tuple[list, dict]:
+        """(dataset indices, or with packing one list of them per row; collated batch) for the current position;
+        advances the position."""
         from draftlab.data import collate
 
         idx = self.indices(self.micro_step)
         self.micro_step += 1
+        if self.pack_tokens:
+            from draftlab.packing import collate_packed
+
+            return idx, collate_packed([[self.dataset[i] for i in row] for row in idx], self.pad_token_id)
         return idx, collate([self.dataset[i] for i in idx], self.pad_token_id)
 
 

@@ -360,7 +360,8 @@ class Store:
         return out
 
     def batch(self, rows: list[int], length: int) -> dict[str, torch.Tensor]:
-        """Right-padded tensors for dataset rows (as `data.collate` pads): features [B, length, F] float32 (when
+        """Right-padded tensors for dataset rows (as `data.collate` pads; an item that is a list of rows is a packed
+        row, as `packing.collate_packed` lays it out): features [B, length, F] float32 (when
         the store was opened with layers) and,
         when topk > 0, teacher_topk_ids [B, length, k] long, teacher_topk_logprobs [B, length, k] float32,
         teacher_tail_mass [B, length] float32. Padding positions hold a harmless uniform top-k distribution."""
@@ -371,10 +372,13 @@ class Store:
             out["teacher_topk_logprobs"] = torch.full((B, length, k), -float(np.log(k)))
             out["teacher_tail_mass"] = torch.zeros(B, length)
         for b, r in enumerate(rows):
-            found = self.row(r)
-            n = min(len(next(iter(found.values()))), length)
-            for key, value in found.items():
-                out[key][b, :n] = value[:n]
+            start = 0
+            for one in (r if isinstance(r, list) else [r]):   # a packed row: its conversations end to end
+                found = self.row(one)
+                n = min(len(next(iter(found.values()))), length - start)
+                for key, value in found.items():
+                    out[key][b, start:start + n] = value[:n]
+                start += n
         return out
 
 

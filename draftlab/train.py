@@ -82,7 +82,7 @@ def train(cfg, out_dir: Path, accelerator) -> dict:
                           f"{fix}")
     batches = runtime.Batches(dataset, cfg.train.batch_size, world, accelerator.process_index, cfg.seed,
                               pad_token_id=pad_id(tokenizer), bucketed=cfg.train.bucketed,
-                              bucket_batches=cfg.train.bucket_batches)
+                              bucket_batches=cfg.train.bucket_batches, pack_tokens=cfg.train.pack_tokens)
     if is_main:
         print(f"data: {len(dataset)} conversations from {cfg.data.train} ({stats}{dataset.summary()})", flush=True)
 
@@ -303,23 +303,27 @@ def prepare_train_data(cfg, target, tokenizer, accelerator) -> None:
 
 @torch.no_grad()
 def features_for(target, batch: dict, rows: list[int], layers: tuple[int, ...], cache: dict | None):
-    """Target features [B, T, F] for a right-padded batch: one target forward, or the in-memory cache when every
-    row of the batch was seen before (`train.cache_features`)."""
+    """Target features [B, T, F] for a right-padded or packed batch (`draftlab.packing`: a row of rows is a packed
+    row, read with its block-diagonal mask): one target forward, or the in-memory cache when every conversation of
+    the batch was seen before (`train.cache_features`)."""
+    from draftlab.packing import model_inputs, spans
     from draftlab.target import target_features
 
-    lengths = batch["attention_mask"].sum(1).tolist()
-    if cache is not None and all(r in cache for r in rows):
-        feats = torch.zeros(*batch["input_ids"].shape, cache[rows[0]].shape[-1], dtype=cache[rows[0]].dtype)
-        for b, r in enumerate(rows):
-            feats[b, : lengths[b]] = cache[r]
+    spans = spans(batch, rows)    # (batch row, start, end, dataset index) of every conversation
+    if cache is not None and all(one in cache for *_, one in spans):
+        first = cache[spans[0][3]]
+        feats = torch.zeros(*batch["input_ids"].shape, first.shape[-1], dtype=first.dtype)
+        for b, a, e, one in spans:
+            feats[b, a:e] = cache[one]
         return feats.to(batch["input_ids"].device)
-    out = target.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                            output_hidden_states=True)
+    out = target.base_model(input_ids=batch["input_ids"], output_hidden_states=True,
+                            **model_inputs(batch, target.dtype))
     feats = target_features(out.hidden_states, layers)
     if cache is not None:
-        for b, r in enumerate(rows):
-            cache[r] = feats[b, : lengths[b]].detach().cpu()
+        for b, a, e, one in spans:
+            cache[one] = feats[b, a:e].detach().cpu()
     return feats
+
 
 
 def lr_lambda(tc):

@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from draftlab import drafting, vocab
+from draftlab import drafting, packing, vocab
 from draftlab.drafters.options import DrafterConfig, DraftVocabOption, check_target_size, setting_names, settings
 from draftlab.errors import HubError
 from draftlab.serving import layer_config
@@ -60,35 +60,45 @@ class EagleConfig(DraftVocabOption, DrafterConfig):
     topk_weight: float = 0.0
     """Weight of HASS's top-K distillation term (the soft CE on the target's 10 most likely tokens)."""
 
+    @staticmethod
+    def packs(drafter_cfg) -> bool:
+        return True
 
-def ttt_mask(valid: Tensor, step: int) -> Tensor:
+
+def ttt_mask(valid: Tensor, step: int, docs: Tensor | None = None) -> Tensor:
     """Visibility of training-time-test step `step`'s queries, bool [B, n, (step+1) n]: block 0 = step-0 slots
     0..t that are valid (plus t itself at step 0, so no row is empty), then one identity block per step 1..step:
-    slot t at step j sees the real context up to t and its own earlier steps, as a draft node at depth j+1 does."""
+    slot t at step j sees the real context up to t and its own earlier steps, as a draft node at depth j+1 does.
+    docs [B, n]: the slots' documents in a packed row (`draftlab.packing`); a slot sees its own document only."""
     n = valid.shape[1]
     causal = torch.ones(n, n, dtype=torch.bool, device=valid.device).tril()
     eye = torch.eye(n, dtype=torch.bool, device=valid.device)
     first = causal & valid[:, None, :]
+    if docs is not None:
+        first = first & (docs[:, :, None] == docs[:, None, :])
     if step == 0:
         return first | eye
     return torch.cat([first] + [eye.expand_as(first)] * step, dim=-1)
 
 
 def own_feature_steps(head: nn.Module, first: Tensor, input_ids: Tensor, valid: Tensor, steps: int,
-                      detach: bool = False) -> list[Tensor]:
+                      detach: bool = False, docs: Tensor | None = None) -> list[Tensor]:
     """Training-time test (EAGLE-3) / harmonized context alignment (HASS): the head's outputs o^{(j)} [B,n,d] for
     steps j = 0..min(steps, n)-1. Step 0 reads `first` [B,n,F] (target features of slots t = 0..n-1) with token
     x_{t+1}; step j reads the head's own step j-1 output at slot t with token x_{t+1+j}, at position t+j, over a
     KV cache of the earlier steps (`ttt_mask`). input_ids [B,n+1] (x_0..x_n); valid [B,n] bool (slot t is a real
-    pair). detach: feed the own outputs back without gradient (HASS) or with it (EAGLE-3)."""
+    pair). detach: feed the own outputs back without gradient (HASS) or with it (EAGLE-3). docs [B,n]: the slots'
+    documents in a packed row (positions restart and attention stays inside each; None = one per row)."""
     n = valid.shape[1]
     dtype = first.dtype
-    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)           # left padding is harmless
+    if docs is None:
+        docs = torch.ones_like(valid, dtype=torch.long)
+    positions = packing.positions(valid, docs)                       # left padding is harmless
     hidden, cache, outputs = first, DynamicCache(), []
     for j in range(min(steps, n)):
         tokens = torch.zeros_like(input_ids[:, 1:])
         tokens[:, : n - j] = input_ids[:, 1 + j:]                     # x_{t+1+j}; past the row: ignored
-        mask = additive(ttt_mask(valid, j)[:, None], dtype)
+        mask = additive(ttt_mask(valid, j, docs)[:, None], dtype)
         hidden = head(hidden.detach() if detach and j > 0 else hidden, tokens, positions + j, mask, cache)
         outputs.append(hidden)
     return outputs
@@ -233,24 +243,24 @@ class EagleHead(nn.Module):
         see the module docstring for the alignment; one step is plain EAGLE training."""
         from draftlab.losses import masked_smooth_l1, soft_cross_entropy, topk_cross_entropy
 
-        ids, attn = batch["input_ids"], batch["attention_mask"].bool()
+        ids, docs = batch["input_ids"], packing.doc_ids(batch)
         features = features.to(self.fc.weight.dtype)
-        valid = attn[:, :-1] & attn[:, 1:]                               # [B,T-1]: f_t and x_{t+1} both real
-        wanted = batch["loss_mask"].bool() & attn
+        valid = packing.same_doc(docs, 1)                  # [B,T-1]: f_t and x_{t+1} real, in one conversation
+        wanted = batch["loss_mask"].bool() & (docs > 0)
         n = valid.shape[1]
 
         inputs = features[:, :-1]
         if self.training and self.feature_noise > 0:
             inputs = inputs + (torch.rand_like(inputs) - 0.5) * self.feature_noise
-        outputs = own_feature_steps(self, inputs, ids, valid, self.harmonized_steps, detach=True)
+        outputs = own_feature_steps(self, inputs, ids, valid, self.harmonized_steps, detach=True, docs=docs[:, :-1])
         total, metrics = features.new_zeros(()), {}
         for j, pred in enumerate(outputs):
             # step j, slot t: o^{(j)}_t predicts f_{t+1+j} and drafts x_{t+2+j}, which must be an assistant token
             target = torch.zeros_like(pred)
             target[:, : n - j] = features[:, 1 + j:]
             weight = torch.zeros_like(valid, dtype=features.dtype)
-            if n - 1 - j > 0:
-                weight[:, : n - 1 - j] = (wanted[:, 2 + j:] & attn[:, 1 + j: -1]).to(features.dtype)
+            if n - 1 - j > 0:   # x_{t+2+j}: an assistant token of slot t's conversation
+                weight[:, : n - 1 - j] = (wanted[:, 2 + j:] & packing.same_doc(docs, 2 + j)).to(features.dtype)
             weight = weight * valid
             loss_reg = masked_smooth_l1(pred.float(), target.float(), weight)
             # The vocabulary projection dominates the step: run it only where the loss looks ([N, V], N = pairs).

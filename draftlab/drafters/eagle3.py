@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from draftlab import vocab
+from draftlab import packing, vocab
 from draftlab.drafters.eagle import EagleProposer, own_feature_steps, ttt_mask
 from draftlab.drafters.options import DrafterConfig, DraftVocabOption, check_target_size, settings
 from draftlab.serving import layer_config
@@ -69,13 +69,25 @@ class Eagle3Config(DraftVocabOption, DrafterConfig):
     """Loss weight decay^j of training-time-test step j."""
     init_from_target: bool = False
     """Start the head's decoder layer from the target's last decoder layer (data-efficient start)."""
+    norm_before_fc: bool = False
+    """An RMSNorm over the concatenated aux states before the fusion FC (speculators' default layout)."""
+    norm_before_residual: bool = False
+    """The decoder layer's residual is the normed fused state instead of the raw one (speculators' default)."""
+    norm_output: bool = False
+    """Each TTT step's output is normed before it is fed back and before the draft LM head (speculators' default)."""
+    train_lm_head: bool = True
+    """Train the draft LM head (it starts as the target's rows of the draft vocabulary); false keeps it frozen at
+    those rows, as speculators does (fewer trainable parameters; the rows are then not saved)."""
+    loss_position: str = "drafted"
+    """Which loss-mask entry weights TTT step j's prediction at slot t: `drafted` = that of the token it drafts
+    (x_{t+2+j}), `input` = that of the token it reads (x_{t+1+j}, speculators' rule)."""
+
+    @staticmethod
+    def packs(drafter_cfg) -> bool:
+        return True
 
 
-# Variants of the speculators format (Eagle3SpeculatorConfig), off in the EAGLE-3 paper's layout and in what draftlab
-# trains; on in heads speculators trains by default, which `draftlab eval` imports: norm_before_fc = an RMSNorm over
-# the concatenated aux states before fc; norm_before_residual = the first layer's residual is the normed fused state;
-# norm_output = each step's output is normed before it is fed back and before the draft LM head.
-_VARIANTS = {"norm_before_fc": False, "norm_before_residual": False, "norm_output": False}
+LOSS_POSITIONS = ("drafted", "input")
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -102,9 +114,10 @@ class EagleHead3(nn.Module):
     def __init__(self, target, aux_layers: list[int] | None = None, ttt_steps: int = Eagle3Config.ttt_steps,
                  ttt_decay: float = Eagle3Config.ttt_decay, draft_vocab_size: int = Eagle3Config.draft_vocab_size,
                  draft_vocab: list[int] | None = None, init_from_target: bool = Eagle3Config.init_from_target,
-                 norm_before_fc: bool = _VARIANTS["norm_before_fc"],
-                 norm_before_residual: bool = _VARIANTS["norm_before_residual"],
-                 norm_output: bool = _VARIANTS["norm_output"]):
+                 norm_before_fc: bool = Eagle3Config.norm_before_fc,
+                 norm_before_residual: bool = Eagle3Config.norm_before_residual,
+                 norm_output: bool = Eagle3Config.norm_output, train_lm_head: bool = Eagle3Config.train_lm_head,
+                 loss_position: str = Eagle3Config.loss_position):
         super().__init__()
         decoder = target.get_decoder()
         config = copy.deepcopy(target.config.get_text_config(decoder=True))
@@ -120,6 +133,9 @@ class EagleHead3(nn.Module):
                              f"0..{num_target_layers - 1} (the post-norm state {num_target_layers} is not one)")
         if ttt_steps < 1:
             raise ValueError(f"drafter.ttt_steps={ttt_steps}: at least 1 training-time-test step is needed")
+        if loss_position not in LOSS_POSITIONS:
+            raise ValueError(f"drafter.loss_position={loss_position!r}: one of {', '.join(LOSS_POSITIONS)}")
+        self.train_lm_head, self.loss_position = train_lm_head, loss_position
         self.aux_layers, self.ttt_steps, self.ttt_decay = aux, ttt_steps, ttt_decay
         self.init_from_target = init_from_target
         self.feature_layers = tuple(aux) + (-1,)       # the last state gives the training target distribution
@@ -145,6 +161,7 @@ class EagleHead3(nn.Module):
             setattr(attn, name, nn.Linear(2 * d, old.out_features, bias=old.bias is not None))
         self.norm = copy.deepcopy(decoder.norm).requires_grad_(True)
         self.lm_head = nn.Linear(d, self.draft_vocab_size or config.vocab_size, bias=False)
+        self.lm_head.requires_grad_(train_lm_head)   # frozen: not saved, rebuilt from the target's rows on load
 
         embed, target_head = target.get_input_embeddings(), target.get_output_embeddings()
         for module in (embed, target_head):
@@ -191,16 +208,16 @@ class EagleHead3(nn.Module):
         return {"kind": self.kind, "feature_layers": list(self.feature_layers), "aux_layers": self.aux_layers,
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
                 "ttt_steps": self.ttt_steps, "ttt_decay": self.ttt_decay, "draft_vocab_size": self.draft_vocab_size,
-                "init_from_target": self.init_from_target,
-                "draft_vocab": self.draft_vocab.tolist() if self.draft_vocab_size else None,
-                **{k: getattr(self, k) for k in _VARIANTS}}
+                "init_from_target": self.init_from_target, "train_lm_head": self.train_lm_head,
+                "loss_position": self.loss_position, "norm_before_fc": self.norm_before_fc,
+                "norm_before_residual": self.norm_before_residual, "norm_output": self.norm_output,
+                "draft_vocab": self.draft_vocab.tolist() if self.draft_vocab_size else None}
 
     @classmethod
     def from_config(cls, config: dict, target) -> "EagleHead3":
         check_target_size(cls.kind, config, target)
         own = {k: v for k, v in settings(Eagle3Config, config).items() if k not in ("aux_layers", "init_from_target")}
-        return cls(target, aux_layers=config["aux_layers"], draft_vocab=config.get("draft_vocab"), **own,
-                   **{k: config.get(k, v) for k, v in _VARIANTS.items()})
+        return cls(target, aux_layers=config["aux_layers"], draft_vocab=config.get("draft_vocab"), **own)
 
     def prepare(self, dataset) -> None:
         """Build the draft vocabulary from the assistant-token frequencies of the training rows
@@ -214,6 +231,7 @@ class EagleHead3(nn.Module):
             self.draft_vocab_size = len(ids)
             old = self.lm_head
             self.lm_head = nn.Linear(old.in_features, len(ids), bias=False).to(old.weight.device, old.weight.dtype)
+            self.lm_head.requires_grad_(self.train_lm_head)
         self.set_draft_vocab(ids)
 
     def set_draft_vocab(self, token_ids: list[int]) -> None:
@@ -289,10 +307,11 @@ class EagleHead3(nn.Module):
 
     ttt_mask = staticmethod(ttt_mask)
 
-    def ttt_outputs(self, aux: Tensor, input_ids: Tensor, valid: Tensor) -> list[Tensor]:
+    def ttt_outputs(self, aux: Tensor, input_ids: Tensor, valid: Tensor, docs: Tensor | None = None) -> list[Tensor]:
         """The head's outputs o^{(j)} [B,n,d] for steps j = 0..min(S, n)-1. aux [B,n,A*d]: fused states g_t of
-        slots t = 0..n-1; input_ids [B,n+1] (x_0..x_n); valid [B,n] bool: slot t is a real pair."""
-        return own_feature_steps(self, aux.to(self.fc.weight.dtype), input_ids, valid, self.ttt_steps)
+        slots t = 0..n-1; input_ids [B,n+1] (x_0..x_n); valid [B,n] bool: slot t is a real pair; docs [B,n]: the
+        slots' conversations in a packed row (None: one per row)."""
+        return own_feature_steps(self, aux.to(self.fc.weight.dtype), input_ids, valid, self.ttt_steps, docs=docs)
 
     def loss(self, batch: dict, features: Tensor) -> tuple[Tensor, dict[str, float]]:
         """batch: input_ids, attention_mask, loss_mask [B,T]; features [B,T,(A+1)d] = aux states then the
@@ -301,22 +320,23 @@ class EagleHead3(nn.Module):
 
         if not self.vocab_ready:
             raise RuntimeError("the EAGLE-3 draft vocabulary was never built: call prepare(dataset) first")
-        ids, attn = batch["input_ids"], batch["attention_mask"].bool()
+        ids, docs = batch["input_ids"], packing.doc_ids(batch)
         d, T = self.hidden_size, ids.shape[1]
         n = T - 1
         with torch.no_grad():   # the target's logits on the draft vocabulary only: the full head is never needed
             last = features[..., -d:].to(self._borrowed.lm_head.weight.dtype)
             rows = self._borrowed.lm_head.weight[self.draft_vocab] if self.draft_vocab_size else None
             target_logits = F.linear(last, rows) if rows is not None else self._borrowed.lm_head(last)  # [B,T,Vd]
-        wanted = batch["loss_mask"].bool() & attn
+        wanted = batch["loss_mask"].bool() & (docs > 0)
 
-        valid = attn[:, :-1] & attn[:, 1:]                              # slot t: g_t and x_{t+1} are real
+        valid = packing.same_doc(docs, 1)               # slot t: g_t and x_{t+1} real, in one conversation
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, float] = {}
-        for j, hidden in enumerate(self.ttt_outputs(features[:, :-1, :-d], ids, valid)):
+        for j, hidden in enumerate(self.ttt_outputs(features[:, :-1, :-d], ids, valid, docs[:, :-1])):
             weight = torch.zeros_like(valid)
-            if n - 1 - j > 0:                                             # drafted token x_{t+2+j} inside the row
-                weight[:, : n - 1 - j] = wanted[:, 2 + j:] & attn[:, 1 + j: T - 1]
+            if n - 1 - j > 0:                        # drafted token x_{t+2+j} inside slot t's conversation
+                counts = wanted[:, 2 + j:] if self.loss_position == "drafted" else wanted[:, 1 + j: T - 1]
+                weight[:, : n - 1 - j] = counts & packing.same_doc(docs, 2 + j)
             weight &= valid
             # The draft LM head and the softmax run only on the slots the loss counts ([1, N, Vd], N = weighted
             # slots): on assistant-only losses that is well under the [B, n, Vd] of every slot.
@@ -352,9 +372,14 @@ class EagleHead3(nn.Module):
         vocab_size = text.vocab_size
         # the draft's (frozen) token embedding is the target's: carried, so speculators' loader need not refill it from
         # the verifier (the issue saw it left at zero without it)
-        embed = src.target()[0].get_input_embeddings().weight.detach()
-        weights["embed_tokens.weight"] = embed.to("cpu", weights["fc.weight"].dtype).contiguous()
+        target = src.target()[0]
+        dtype = weights["fc.weight"].dtype
+        weights["embed_tokens.weight"] = target.get_input_embeddings().weight.detach().to("cpu", dtype).contiguous()
         draft_vocab = src.config.get("draft_vocab")
+        if "lm_head.weight" not in weights:   # a frozen draft LM head is not saved: the target's rows it kept
+            rows = target.get_output_embeddings().weight.detach()
+            rows = rows[torch.tensor(sorted(draft_vocab), device=rows.device)] if draft_vocab else rows
+            weights["lm_head.weight"] = rows.to("cpu", dtype).contiguous()
         if draft_vocab:
             ids = torch.tensor(sorted(draft_vocab), dtype=torch.long)
             weights["d2t"] = ids - torch.arange(len(ids))

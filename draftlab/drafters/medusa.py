@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from draftlab import drafting, vocab
+from draftlab import drafting, packing, vocab
 from draftlab.drafters.options import DrafterConfig, DraftVocabOption, check_target_size, setting_names, settings
 from draftlab.trees import EAGLE_DEFAULT_CHOICES, DraftTree, static_tree_layout
 
@@ -60,6 +60,10 @@ class MedusaConfig(DraftVocabOption, DrafterConfig):
     """lambda_0, the coefficient of the heads' loss."""
     medusa_tree_nodes: int = 63
     """Nodes of the static tree built from the per-head accuracies measured in training."""
+
+    @staticmethod
+    def packs(drafter_cfg) -> bool:
+        return True
 
 
 def prior_accuracy(num_heads: int, ranks: int = TOPK) -> Tensor:
@@ -223,8 +227,8 @@ class MedusaHeads(nn.Module):
         a draft vocabulary, in it: a label outside has no row, and counts as a miss in the tallied accuracies)."""
         from draftlab.losses import hard_cross_entropy
 
-        ids, attn = batch["input_ids"], batch["attention_mask"].bool()
-        wanted = batch["loss_mask"].bool() & attn
+        ids, docs = batch["input_ids"], packing.doc_ids(batch)
+        wanted = batch["loss_mask"].bool() & (docs > 0)
         T = ids.shape[1]
         total = hidden.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
@@ -233,7 +237,7 @@ class MedusaHeads(nn.Module):
             if shift >= T:
                 break
             logits = head(hidden[:, :T - shift].to(head[-1].weight.dtype))             # [B, T-shift, Vd]
-            labels, mask = ids[:, shift:], wanted[:, shift:] & attn[:, :T - shift]
+            labels, mask = ids[:, shift:], wanted[:, shift:] & packing.same_doc(docs, shift)   # same conversation
             if self.reduced:                     # draft indices, -1 (left out of the CE) outside the vocabulary
                 labels = self.label_index[labels]
             ce = hard_cross_entropy(logits, labels, mask)

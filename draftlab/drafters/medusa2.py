@@ -42,6 +42,10 @@ class Medusa2Config(LoraOptions, MedusaConfig):
                     "on the target, so it must be at least 1 (e.g. drafter.lora_r=32)")
         return None
 
+    @staticmethod
+    def packs(drafter_cfg) -> bool:
+        return False     # it runs the adapted target on its own batches
+
 
 class Medusa2Lora(MedusaHeads):
     """Medusa-2: MedusaHeads trained jointly with LoRA adapters installed IN PLACE in the target (see the module

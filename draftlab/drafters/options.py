@@ -21,6 +21,12 @@ class DrafterConfig:
         raises it before anything loads."""
         return None
 
+    @staticmethod
+    def packs(drafter_cfg) -> bool:
+        """Whether this kind (with these drafter.* settings) trains on packed rows (train.pack_tokens,
+        draftlab/packing.py): kinds whose loss reads only the batch's conversations say yes."""
+        return False
+
 
 @dataclass
 class DraftVocabOption:

