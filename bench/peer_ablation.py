@@ -37,7 +37,11 @@ DATA = ROOT / "checkpoints/peer_ablation_data"
 RUNS_DIR = ROOT / "checkpoints/peer_ablation"
 CACHE = ROOT / "bench/results/cache/peer_ablation"
 OUT = ROOT / "bench/results/peer_ablation"
-EPOCHS, BATCH, PACK, MAXLEN = 3, 8, 2048, 512
+EPOCHS, BATCH, MAXLEN = 3, 8, 512
+# Packed runs: rows of at most MAXLEN tokens, PACKED_BATCH rows a step (about the tokens of 8 padded conversations
+# and of speculators' one 2048-token row). Attention here is dense over a row with a block mask, so short rows cost
+# less than one long row: 4 x 512 tokens attend over a quarter of the pairs of 1 x 2048.
+PACK, PACKED_BATCH = 512, 4
 
 COMMON = ["recipe=eagle3_head", f"target.path={TARGET}", f"data.train={DATA}/train.jsonl",
           f"data.store={DATA}/train.store", f"data.max_length={MAXLEN}", "drafter.aux_layers=[2,15,27]",
@@ -49,7 +53,7 @@ COMMON = ["recipe=eagle3_head", f"target.path={TARGET}", f"data.train={DATA}/tra
 # run name -> (what it changes, its overrides); every run but `base` changes one thing
 RUNS = {
     "base": ("draftlab's head as in the side by side: 8 padded conversations a step", []),
-    "packed": (f"packed batches: one row of at most {PACK} tokens a step (as speculators), document-masked",
+    "packed": (f"packed batches: {PACKED_BATCH} rows of at most {PACK} tokens a step, no padding, document-masked",
                [f"train.pack_tokens={PACK}"]),
     "norm_before_fc": ("RMSNorm over the concatenated aux states before fc", ["drafter.norm_before_fc=true"]),
     "norm_before_residual": ("the layer's residual is the normed fused state", ["drafter.norm_before_residual=true"]),
@@ -87,19 +91,19 @@ def steps_for(name: str) -> int:
     tok = load_target(TARGET, "float32", "cpu")[1]
     ds = ChatDataset(read_conversations(str(DATA / "train.jsonl"))[0], tok, MAXLEN)
     total = 0
-    for epoch in range(EPOCHS):   # runtime.Batches' permutation of each epoch, batch_size 1
+    for epoch in range(EPOCHS):   # runtime.Batches' permutation of each epoch (seed 0), whole batches only
         order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0 * 1000 + epoch)).tolist()
-        total += len(pack(ds.lengths, order, PACK))
+        total += len(pack(ds.lengths, order, PACK)) // PACKED_BATCH
     return total
 
 
-def train(name: str) -> None:
+def train(name: str, steps: int) -> None:
     out = RUNS_DIR / name
     if (out / "train.done").exists():
         return
     overrides = RUNS[name][1]
     packed = any(o.startswith("train.pack_tokens") for o in overrides)
-    args = COMMON + [f"train.batch_size={1 if packed else BATCH}", f"train.max_steps={steps_for(name)}",
+    args = COMMON + [f"train.batch_size={PACKED_BATCH if packed else BATCH}", f"train.max_steps={steps}",
                      f"out_dir={out}", *overrides]
     resume = ["train.resume=auto"] if out.exists() else []
     RUNS_DIR.mkdir(parents=True, exist_ok=True)
@@ -133,7 +137,7 @@ def score(name: str) -> None:
 
     from draftlab.data import encode_prompt, load_prompts
     from draftlab.drafters import load_drafter
-    from draftlab.evaluator import evaluate as speculate, run_baseline
+    from draftlab.evaluator import evaluate as speculate
     from draftlab.target import eos_ids, load_target
     from draftlab.trees import TreeSpec
     from draftlab.verify import Sampling
@@ -142,21 +146,14 @@ def score(name: str) -> None:
     target, tok = load_target(TARGET, "float32", "cpu")
     drafter = load_drafter(RUNS_DIR / name, target).eval()
     sampling, eos = Sampling(temperature=0.0), eos_ids(tok, target)
-    for set_name, (path, num) in SETS.items():
-        prompts = load_prompts(str(path), limit=num)
-        ids = [encode_prompt(tok, p.messages) for p in prompts]
-        base_file = CACHE / f"baseline_{set_name}.json"
-        if base_file.exists():
-            baseline = json.loads(base_file.read_text())
-        else:
-            baseline = run_baseline(target, ids, sampling=sampling, max_new_tokens=MAX_NEW, eos_token_ids=eos,
-                                    progress=False)
-            baseline["outputs"] = [list(map(int, o)) for o in baseline["outputs"]]
-            base_file.write_text(json.dumps(baseline) + "\n")
-        for shape, spec in SHAPES.items():
+    for shape, spec in SHAPES.items():          # chains of both sets first: the cheaper cells land sooner
+        for set_name, (path, num) in SETS.items():
             out = CACHE / f"{name}_{set_name}_{shape}.json"
             if out.exists():
                 continue
+            prompts = load_prompts(str(path), limit=num)
+            ids = [encode_prompt(tok, p.messages) for p in prompts]
+            baseline = cached_baseline(set_name, target, ids, sampling, eos)
             t0 = time.perf_counter()
             report = speculate(target, drafter.proposer(target), ids, spec=TreeSpec(**spec), sampling=sampling,
                                max_new_tokens=MAX_NEW, eos_token_ids=eos, baseline=baseline,
@@ -165,6 +162,23 @@ def score(name: str) -> None:
             out.write_text(json.dumps(report) + "\n")
             print(f"{name} {set_name} {shape}: tau {report['acceptance_length']:.3f} lossless {report['lossless']}",
                   flush=True)
+
+
+def cached_baseline(set_name: str, target, ids, sampling, eos) -> dict:
+    """Target-only greedy outputs of a prompt set, computed once for every run (a lock: two scorers at once)."""
+    import fcntl
+
+    from draftlab.evaluator import run_baseline
+
+    path = CACHE / f"baseline_{set_name}.json"
+    with open(CACHE / f"baseline_{set_name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            baseline = run_baseline(target, ids, sampling=sampling, max_new_tokens=MAX_NEW, eos_token_ids=eos,
+                                    progress=False)
+            baseline["outputs"] = [list(map(int, o)) for o in baseline["outputs"]]
+            path.write_text(json.dumps(baseline) + "\n")
+    return json.loads(path.read_text())
 
 
 def training_figures(name: str) -> dict:
@@ -259,16 +273,25 @@ def main() -> None:
                                f"{DATA}/train.jsonl", "--out", f"{DATA}/train.store", "--layers", "2,15,27,-1",
                                "--max-length", str(MAXLEN), "--store-dtype", "float32", "--no-progress"], cwd=ROOT,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    steps = {n: steps_for(n) for n in names if "train" in stages}   # here: loading a tokenizer is not thread-safe
+
     # each job trains then scores its run, so scoring starts as soon as a run is trained
-    def one(name: str) -> None:
-        if "train" in stages:
-            train(name)
-        if "eval" in stages and (RUNS_DIR / name / "train.done").exists():
-            evaluate(name)
+    def one(name: str) -> str | None:
+        try:
+            if "train" in stages:
+                train(name, steps[name])
+            if "eval" in stages and (RUNS_DIR / name / "train.done").exists():
+                evaluate(name)
+        except (Exception, SystemExit) as e:   # the other runs go on; the failure is reported at the end
+            log(f"{name} failed: {e}")
+            return f"{name}: {e}"
+        return None
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        list(pool.map(one, names))
+        failures = [f for f in pool.map(one, names) if f]
     if "report" in stages:
         report()
+    if failures:
+        raise SystemExit("failed: " + "; ".join(failures))
 
 
 if __name__ == "__main__":

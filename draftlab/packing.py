@@ -7,9 +7,9 @@ exactly what it computes on each conversation alone. Unpacked batches (`data.col
 document per row: `doc_ids(batch)` is then the attention mask, and every helper below reduces to the plain
 right-padded rules, so packed and unpacked batches go through the same loss code.
 
-Packing (`pack`) is greedy in the given order: a conversation joins the current row when it fits, else it starts
-a new row. With the order a seeded permutation (runtime.Batches), the packing is fixed by (seed, epoch), so a
-resumed run sees the same rows.
+Packing (`pack`) is first fit over the given order: a conversation joins the first row with room for it, else it
+opens a new row, so rows come out nearly full. With the order a seeded permutation (runtime.Batches), the packing
+is fixed by (seed, epoch), so a resumed run sees the same rows.
 """
 from __future__ import annotations
 
@@ -18,21 +18,25 @@ from torch import Tensor
 
 
 def pack(lengths: list[int], order: list[int], max_tokens: int) -> list[list[int]]:
-    """Dataset indices in `order`, grouped into rows of at most max_tokens tokens (a longer single one is refused:
-    data.max_length must not exceed train.pack_tokens)."""
-    rows, row, used = [], [], 0
+    """Dataset indices in `order`, grouped into rows of at most max_tokens tokens by first fit: each conversation
+    goes into the first row that still has room for it, else it opens a new one (rows stay in the order they were
+    opened, conversations in a row in `order`). A conversation longer than max_tokens is refused: data.max_length
+    must not exceed train.pack_tokens."""
+    rows: list[list[int]] = []
+    room: list[int] = []
     for i in order:
         n = lengths[i]
         if n > max_tokens:
             raise ValueError(f"a conversation of {n} tokens does not fit a packed row of {max_tokens}: set "
                              f"train.pack_tokens to at least data.max_length")
-        if row and used + n > max_tokens:
-            rows.append(row)
-            row, used = [], 0
-        row.append(i)
-        used += n
-    if row:
-        rows.append(row)
+        for r, free in enumerate(room):
+            if n <= free:
+                rows[r].append(i)
+                room[r] -= n
+                break
+        else:
+            rows.append([i])
+            room.append(max_tokens - n)
     return rows
 
 

@@ -195,6 +195,19 @@ class Batches:
         return idx, collate([self.dataset[i] for i in idx], self.pad_token_id)
 
 
+def release_target_layers(target) -> int:
+    """Drop the target's decoder layers (a training run that reads every feature from a store and never evaluates
+    does not run them); returns the bytes of parameters released. The embedding, final norm, rotary embedding and
+    LM head, which drafters borrow, stay."""
+    import gc
+
+    decoder = target.get_decoder()
+    freed = sum(p.numel() * p.element_size() for p in decoder.layers.parameters())
+    decoder.layers = torch.nn.ModuleList()
+    gc.collect()
+    return freed
+
+
 def resume_position(saved: dict, batch_size: int, world: int) -> tuple[int, str | None]:
     """The micro_step to continue from, and a warning when the global batch changed since the save (then the
     position is carried over as the number of rows already seen, which is as close as a new layout allows)."""

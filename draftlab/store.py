@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import math
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -303,6 +304,42 @@ def open_store(path, target, *, tokenizer=None, dataset=None, feature_layers=Non
     return store
 
 
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+                       "I32": torch.int32, "I16": torch.int16, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class ShardReader:
+    """Row ranges of a safetensors file's tensors, read with plain positioned reads (`get_slice(name)[a:b]`).
+    A memory map (safetensors' safe_open) keeps every page a training epoch touched resident, so a run's peak
+    memory grew by the whole store; here each batch's rows live only as long as the batch."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        size = int.from_bytes(os.pread(self.fd, 8, 0), "little")
+        self.header = {k: v for k, v in json.loads(os.pread(self.fd, size, 8)).items() if k != "__metadata__"}
+        self.start = 8 + size
+
+    def get_slice(self, name: str) -> "_Rows":
+        return _Rows(self, self.header[name])
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _Rows:
+    def __init__(self, reader: ShardReader, info: dict):
+        self.reader, self.dtype, self.shape = reader, _SAFETENSORS_DTYPES[info["dtype"]], info["shape"]
+        self.offset = reader.start + info["data_offsets"][0]
+        self.row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        a, b, _ = rows.indices(self.shape[0])
+        data = bytearray(os.pread(self.reader.fd, (b - a) * self.row_bytes, self.offset + a * self.row_bytes))
+        return torch.frombuffer(data, dtype=self.dtype).reshape(b - a, *self.shape[1:]) if data else \
+            torch.zeros(0, *self.shape[1:], dtype=self.dtype)
+
+
 class Store:
     """Read access to an opened store. `batch(rows, length)` gives right-padded tensors for dataset rows."""
 
@@ -310,7 +347,7 @@ class Store:
         self.path, self.manifest, self.layers, self.topk = path, manifest, layers, topk_logits
         self.hidden_size = manifest["hidden_size"]
         self._starts = [s["rows"][0] for s in manifest["shards"]]
-        self._open: OrderedDict[int, tuple] = OrderedDict()      # shard -> (safe_open handle, offsets), LRU
+        self._open: OrderedDict[int, tuple] = OrderedDict()      # shard -> (ShardReader, offsets), LRU
         self._verified: set[int] = set()
         self.max_open = max_open
 
@@ -328,16 +365,14 @@ class Store:
         self._verified.add(shard)
 
     def _shard(self, shard: int) -> tuple:
-        from safetensors import safe_open
-
         if shard in self._open:
             self._open.move_to_end(shard)
             return self._open[shard]
         self._verify(shard)
-        handle = safe_open(str(self.path / self.manifest["shards"][shard]["file"]), framework="pt")
-        self._open[shard] = (handle, handle.get_tensor("offsets").tolist())
+        handle = ShardReader(self.path / self.manifest["shards"][shard]["file"])
+        self._open[shard] = (handle, handle.get_slice("offsets")[:].tolist())
         if len(self._open) > self.max_open:
-            self._open.popitem(last=False)
+            self._open.popitem(last=False)[1][0].close()
         return self._open[shard]
 
     def row(self, row: int) -> dict[str, torch.Tensor]:

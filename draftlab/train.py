@@ -134,6 +134,13 @@ def train(cfg, out_dir: Path, accelerator) -> dict:
 
         store = ensure_store(cfg.data.store, target, tokenizer, dataset, feature_layers=feature_layers,
                              topk_logits=getattr(drafter, "teacher_topk", 0), accelerator=accelerator)
+        if feature_layers and cfg.eval.every == 0 and cfg.hub.push == "none":
+            # nothing runs the target from here on (features come from the store, no evaluation, no export): its
+            # decoder layers are dropped, the embedding, final norm and LM head the head borrows stay
+            freed = runtime.release_target_layers(target)
+            if is_main:
+                print(f"data.store without in-loop evaluation: released the target's decoder layers "
+                      f"({freed / 2**20:.0f} MB)", flush=True)
     if rng is not None:  # last, so that nothing above draws from the restored streams
         warning = runtime.restore_rng(rng, accelerator.process_index, cfg.seed, state["step"])
         if warning:

@@ -52,7 +52,7 @@ def _layouts(rows, pad_id):
 def test_pack_keeps_order_and_limit():
     lengths = [5, 3, 4, 6, 2, 7]
     rows = packing.pack(lengths, [0, 1, 2, 3, 4, 5], 10)
-    assert rows == [[0, 1], [2, 3], [4, 5]]
+    assert rows == [[0, 1, 4], [2, 3], [5]]          # first fit: 4 (2 tokens) fills the first row's room
     assert sorted(i for r in rows for i in r) == list(range(6))
     assert all(sum(lengths[i] for i in r) <= 10 for r in rows)
     with pytest.raises(ValueError, match="pack_tokens"):
@@ -225,3 +225,27 @@ def test_packing_is_refused_where_it_cannot_apply(tiny_target_dir, tiny_chat_fil
         load_config(["recipe=distill_online_whitebox", "train.pack_tokens=4096", *base])
     with pytest.raises(Exception, match="choose one"):
         load_config(["recipe=eagle_head", "train.pack_tokens=4096", "train.bucketed=true", *base])
+
+
+def test_offline_run_without_evaluation_releases_the_target_layers_and_trains_the_same(
+        tiny_target_dir, tiny_chat_file, tiny_prompt_file, tmp_path, capsys):
+    """data.store + eval.every=0: the target's decoder layers are dropped (nothing runs them); the weights come out
+    the same as a run that keeps them (one that evaluates its final step)."""
+    from safetensors.torch import load_file
+
+    from draftlab.config import load_config
+    from draftlab.train import main
+
+    common = ["recipe=eagle3_head", f"target.path={tiny_target_dir}", f"data.train={tiny_chat_file}",
+              f"data.eval_prompts={tiny_prompt_file}", f"data.store={tmp_path / 'store'}", "data.max_length=128",
+              "train.max_steps=3", "train.batch_size=2", "train.pack_tokens=256", "train.warmup_steps=0",
+              "drafter.ttt_steps=2", "drafter.draft_vocab_size=-1", "eval.num_prompts=1", "eval.max_new_tokens=8",
+              "tracking=none"]
+    main(load_config(common + [f"out_dir={tmp_path / 'kept'}", "eval.every=3"]))
+    capsys.readouterr()
+    main(load_config(common + [f"out_dir={tmp_path / 'released'}", "eval.every=0"]))
+    assert "released the target's decoder layers" in capsys.readouterr().out
+    kept = load_file(str(tmp_path / "kept" / "step_3" / "model.safetensors"))
+    released = load_file(str(tmp_path / "released" / "step_3" / "model.safetensors"))
+    assert kept.keys() == released.keys()
+    assert all(torch.equal(kept[k], released[k]) for k in kept)
