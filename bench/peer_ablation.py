@@ -61,6 +61,10 @@ RUNS = {
                     ["drafter.norm_output=true"]),
     "frozen_lm_head": ("draft LM head frozen at the target's rows", ["drafter.train_lm_head=false"]),
     "loss_input": ("loss weighted by the mask of the token read, not the token drafted", ["drafter.loss_position=input"]),
+    "all_tokens": ("beyond the peer: the loss also counts prompt tokens (the target's distribution is known there)",
+                   ["drafter.loss_tokens=all"]),
+    "feature_noise": ("beyond the peer: uniform noise of width 0.2 on the fused target states in training",
+                      ["drafter.feature_noise=0.2"]),
     "speculators_layout": ("all of speculators' choices at once: the three norms, frozen LM head, its loss rule, "
                            "packed batches", [f"train.pack_tokens={PACK}", "drafter.norm_before_fc=true",
                                               "drafter.norm_before_residual=true", "drafter.norm_output=true",

@@ -188,6 +188,7 @@ CHOICES = {
     "drafter.distill_loss": ("fkl", "rkl", "jsd", "tvd"),
     "drafter.acceptance_label": ("sampled", "greedy"),
     "drafter.loss_position": ("drafted", "input"),
+    "drafter.loss_tokens": ("assistant", "all"),
 }
 TRACKERS = ("none", "jsonl", "tensorboard", "wandb")
 SEEDS = "[0, 4294967295]"  # numpy's seed range (accelerate's set_seed seeds numpy too)

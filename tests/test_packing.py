@@ -99,6 +99,8 @@ def _drafters(model):
         "eagle3_speculators_layout": EagleHead3.from_target(model, SimpleNamespace(
             ttt_steps=3, norm_before_fc=True, norm_before_residual=True, norm_output=True, train_lm_head=False,
             loss_position="input")),
+        "eagle3_all_tokens_noise": EagleHead3.from_target(model, SimpleNamespace(
+            ttt_steps=2, loss_tokens="all", feature_noise=0.2)),
         "medusa": MedusaHeads.from_target(model, SimpleNamespace(medusa_heads=3)),
         "small_lm": SmallLM.from_target(model, SimpleNamespace(num_layers=1)),
     }
@@ -249,3 +251,24 @@ def test_offline_run_without_evaluation_releases_the_target_layers_and_trains_th
     released = load_file(str(tmp_path / "released" / "step_3" / "model.safetensors"))
     assert kept.keys() == released.keys()
     assert all(torch.equal(kept[k], released[k]) for k in kept)
+
+
+def test_eagle3_all_tokens_and_feature_noise(rows, target):
+    """loss_tokens=all also learns where the loss mask is 0 (prompt tokens); feature noise acts in training only."""
+    model, tok = target
+    batch = collate(rows[:2], tok.pad_token_id)
+    silent = {**batch, "loss_mask": torch.zeros_like(batch["loss_mask"])}
+    head = EagleHead3.from_target(model, SimpleNamespace(ttt_steps=2)).eval()
+    every = EagleHead3.from_target(model, SimpleNamespace(ttt_steps=2, loss_tokens="all")).eval()
+    every.load_state_dict(head.state_dict())
+    feats = features_for(model, batch, [0, 1], head.feature_layers, None)
+    with torch.no_grad():
+        assert head.loss(silent, feats)[0].item() == 0.0       # nothing counted
+        assert every.loss(silent, feats)[0].item() > 0.0
+    noisy = EagleHead3.from_target(model, SimpleNamespace(ttt_steps=2, feature_noise=0.2))
+    noisy.load_state_dict(head.state_dict())
+    with torch.no_grad():
+        noisy.eval()
+        assert torch.equal(noisy.loss(batch, feats)[0], head.loss(batch, feats)[0])
+        noisy.train()
+        assert not torch.equal(noisy.loss(batch, feats)[0], head.loss(batch, feats)[0])

@@ -81,6 +81,12 @@ class Eagle3Config(DraftVocabOption, DrafterConfig):
     loss_position: str = "drafted"
     """Which loss-mask entry weights TTT step j's prediction at slot t: `drafted` = that of the token it drafts
     (x_{t+2+j}), `input` = that of the token it reads (x_{t+1+j}, speculators' rule)."""
+    loss_tokens: str = "assistant"
+    """Which drafted tokens the loss counts: `assistant` (the loss mask) or `all` real tokens of the conversation
+    (the target's distribution is known at prompt positions too: more training signal per conversation)."""
+    feature_noise: float = 0.0
+    """Width of the uniform noise U(-w/2, w/2) added to the fused target states in training (EAGLE-1's robustness
+    to feature errors; 0 = off)."""
 
     @staticmethod
     def packs(drafter_cfg) -> bool:
@@ -88,6 +94,7 @@ class Eagle3Config(DraftVocabOption, DrafterConfig):
 
 
 LOSS_POSITIONS = ("drafted", "input")
+LOSS_TOKENS = ("assistant", "all")
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -117,7 +124,8 @@ class EagleHead3(nn.Module):
                  norm_before_fc: bool = Eagle3Config.norm_before_fc,
                  norm_before_residual: bool = Eagle3Config.norm_before_residual,
                  norm_output: bool = Eagle3Config.norm_output, train_lm_head: bool = Eagle3Config.train_lm_head,
-                 loss_position: str = Eagle3Config.loss_position):
+                 loss_position: str = Eagle3Config.loss_position, loss_tokens: str = Eagle3Config.loss_tokens,
+                 feature_noise: float = Eagle3Config.feature_noise):
         super().__init__()
         decoder = target.get_decoder()
         config = copy.deepcopy(target.config.get_text_config(decoder=True))
@@ -135,7 +143,10 @@ class EagleHead3(nn.Module):
             raise ValueError(f"drafter.ttt_steps={ttt_steps}: at least 1 training-time-test step is needed")
         if loss_position not in LOSS_POSITIONS:
             raise ValueError(f"drafter.loss_position={loss_position!r}: one of {', '.join(LOSS_POSITIONS)}")
+        if loss_tokens not in LOSS_TOKENS:
+            raise ValueError(f"drafter.loss_tokens={loss_tokens!r}: one of {', '.join(LOSS_TOKENS)}")
         self.train_lm_head, self.loss_position = train_lm_head, loss_position
+        self.loss_tokens, self.feature_noise = loss_tokens, feature_noise
         self.aux_layers, self.ttt_steps, self.ttt_decay = aux, ttt_steps, ttt_decay
         self.init_from_target = init_from_target
         self.feature_layers = tuple(aux) + (-1,)       # the last state gives the training target distribution
@@ -209,7 +220,8 @@ class EagleHead3(nn.Module):
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
                 "ttt_steps": self.ttt_steps, "ttt_decay": self.ttt_decay, "draft_vocab_size": self.draft_vocab_size,
                 "init_from_target": self.init_from_target, "train_lm_head": self.train_lm_head,
-                "loss_position": self.loss_position, "norm_before_fc": self.norm_before_fc,
+                "loss_position": self.loss_position, "loss_tokens": self.loss_tokens,
+                "feature_noise": self.feature_noise, "norm_before_fc": self.norm_before_fc,
                 "norm_before_residual": self.norm_before_residual, "norm_output": self.norm_output,
                 "draft_vocab": self.draft_vocab.tolist() if self.draft_vocab_size else None}
 
@@ -327,12 +339,16 @@ class EagleHead3(nn.Module):
             last = features[..., -d:].to(self._borrowed.lm_head.weight.dtype)
             rows = self._borrowed.lm_head.weight[self.draft_vocab] if self.draft_vocab_size else None
             target_logits = F.linear(last, rows) if rows is not None else self._borrowed.lm_head(last)  # [B,T,Vd]
-        wanted = batch["loss_mask"].bool() & (docs > 0)
+        wanted = (batch["loss_mask"].bool() if self.loss_tokens == "assistant" else torch.ones_like(docs, dtype=torch.bool))
+        wanted &= docs > 0
 
         valid = packing.same_doc(docs, 1)               # slot t: g_t and x_{t+1} real, in one conversation
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, float] = {}
-        for j, hidden in enumerate(self.ttt_outputs(features[:, :-1, :-d], ids, valid, docs[:, :-1])):
+        aux = features[:, :-1, :-d]
+        if self.training and self.feature_noise > 0:
+            aux = aux + (torch.rand_like(aux) - 0.5) * self.feature_noise
+        for j, hidden in enumerate(self.ttt_outputs(aux, ids, valid, docs[:, :-1])):
             weight = torch.zeros_like(valid)
             if n - 1 - j > 0:                        # drafted token x_{t+2+j} inside slot t's conversation
                 counts = wanted[:, 2 + j:] if self.loss_position == "drafted" else wanted[:, 1 + j: T - 1]
