@@ -27,6 +27,12 @@ This is exactly the attention a draft node at depth j+1 has at inference: the re
 ancestors. Keys of earlier steps live in a KV cache (after RoPE), so step j runs one attention call over
 (j+1) n keys with a block mask [causal | eye | ... | eye].
 
+Options beside the paper's layout (each off by default, measured one at a time in bench/peer_ablation.py):
+speculators' three norms (`norm_before_fc`, `norm_before_residual`, `norm_output`), a frozen draft LM head
+(`train_lm_head=false`), speculators' loss rule (`loss_position=input`: the mask of the token read, x_{t+1+j}),
+the loss on every real token of the conversation (`loss_tokens=all`) and noise on the fused states
+(`feature_noise`). Packed batches (train.pack_tokens) keep every rule above inside one conversation.
+
 Draft vocabulary: `prepare(dataset)` counts assistant tokens (loss_mask) and keeps the draft_vocab_size most
 frequent (ties by id; -1 = auto: min(32000, distinct tokens), an explicit N above the distinct count is an error), sorted ascending as `draft_vocab`; d2t[i] = draft_vocab[i] - i (target id = i + d2t[i])
 and t2d[v] = v in the draft vocabulary. The list is saved in drafter_config.json, so it survives save/load.
