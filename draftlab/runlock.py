@@ -73,7 +73,10 @@ class FolderLock:
         stale = "" if flock else f" (if that process is gone, delete {self.path})"
         return f"{self.what} is in use by {holder_text(info)}{stale}: {self.hint}"
 
-    def acquire(self) -> "FolderLock":
+    def acquire(self, wait: float | None = 0.0, poll: float = 0.2) -> "FolderLock":
+        """Take the lock; while another live process holds it, wait up to `wait` seconds (None: until it is
+        released) before raising LockError."""
+        deadline = None if wait is None else time.monotonic() + wait
         self._made_dir = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while self.fd is None:
@@ -89,11 +92,15 @@ class FolderLock:
                     raise OSError(errno.ENOSYS, "no fcntl")
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                if self._waited(fd, deadline, poll):
+                    continue
                 self._refuse(fd, flock=True)
             except OSError:  # no flock here: a file we created is ours, an existing one its recorded holder's
                 if not created:
                     info = _read(fd)
                     if _alive(info):
+                        if self._waited(fd, deadline, poll):
+                            continue
                         self._refuse(fd, flock=False)
                     os.close(fd)
                     self.took_over = info
@@ -112,6 +119,15 @@ class FolderLock:
             self.fd = fd
         self._write()
         return self
+
+    @staticmethod
+    def _waited(fd: int, deadline: float | None, poll: float) -> bool:
+        """Whether there is time left to try again (then `fd` is closed after a pause of `poll` seconds)."""
+        if deadline is not None and time.monotonic() + poll > deadline:
+            return False
+        os.close(fd)
+        time.sleep(poll)
+        return True
 
     def _refuse(self, fd: int, flock: bool):
         info = _read(fd)
