@@ -4,11 +4,12 @@ Each test exports a drafter trained on a tiny random target, loads it with the r
 and compares the client's draft logits with draftlab's (within 1e-4, top-1 agreement 100%). The card's Python
 usage snippets are executed as written, with the repository id replaced by the local export folder.
 
-Clients (versions pinned in .ci/run): transformers (the project's own 5.23, and 4.57.6 in a separate folder,
-DRAFTLAB_TRANSFORMERS4, run in a subprocess), speculators 0.9.0, medusa-llm 0.1 (FasterDecoding/Medusa) and
-eagle-llm 1.2.1 (SafeAILab/EAGLE's EAGLE-1 head). Where a client's own *target* model class cannot be built under
-transformers 5.23 (Medusa's KV-cache Llama, written for 4.x), the test swaps in transformers' Llama for the target
-only and says so; the head classes, configs and weight loaders are always the client's own.
+Clients (versions pinned in .ci/run): transformers (the project's own 5.23, and 4.53.3, which the official EAGLE
+and Medusa code run under, in a separate folder, DRAFTLAB_TRANSFORMERS4, run in a subprocess), speculators 0.9.0,
+medusa-llm 0.1 (FasterDecoding/Medusa) and eagle-llm 1.2.1 (SafeAILab/EAGLE's EAGLE-1 head). Where a client's own
+*target* model class cannot be built under transformers 5.23 (Medusa's KV-cache Llama, written for 4.x), the test
+swaps in transformers' Llama for the target only and says so; the head classes, configs and weight loaders are
+always the client's own. Under 4.53.3 (the last test) their card snippets run with their own target classes.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from draftlab.foreign import find_foreign
 from draftlab.model_card import usage
 from test_hub import make_run
 
+TRANSFORMERS4_VERSION = "4.53.3"      # what the official EAGLE and Medusa code run under; .ci/run installs it
 TRANSFORMERS4 = os.environ.get("DRAFTLAB_TRANSFORMERS4") or str(Path(__file__).parents[1] / ".ci/clients/transformers4")
 
 
@@ -83,8 +85,21 @@ def native_copy(export: Path, dest: Path, names: tuple[str, ...]) -> Path:
     return dest
 
 
+def in_transformers4(code: str, *args: str) -> None:
+    """Run `code` (argv: args) in a subprocess that imports the transformers 4.x CI installs (.ci/run), or skip."""
+    found = [p.name for p in Path(TRANSFORMERS4).glob("transformers-*.dist-info")]
+    if found != [f"transformers-{TRANSFORMERS4_VERSION}.dist-info"]:
+        pytest.skip(f"transformers {TRANSFORMERS4_VERSION} is not installed at {TRANSFORMERS4} "
+                    f"(found {found or 'none'}; `bash .ci/run` installs it there)")
+    code = ("import sys, torch, transformers\n"
+            f"assert transformers.__version__ == {TRANSFORMERS4_VERSION!r}, transformers.__version__\n" + code)
+    env = {**os.environ, "PYTHONPATH": TRANSFORMERS4, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 # ----------------------------------------------------------------------------------------------------------
-# small_lm: transformers assisted generation (5.23 here, 4.57.6 in a subprocess)
+# small_lm: transformers assisted generation (5.23; 4.53.3 below, with every other export)
 
 
 def tiny_llama_theta(tokenizer, theta: float):
@@ -130,29 +145,6 @@ def test_small_lm_card_snippet_runs_assisted_generation(small_lm_export, tiny_to
     ids = plain[:, :96]
     with torch.no_grad():
         close(draft(ids).logits, x.drafter(ids))
-
-
-def test_small_lm_export_reads_the_same_in_transformers_4(small_lm_export, tmp_path):
-    """transformers 4.x reads rope_theta (not rope_parameters): the export must carry it, or 4.x drafts with
-    theta 10,000 instead of the target's 100,000."""
-    if not (Path(TRANSFORMERS4) / "transformers").is_dir():
-        pytest.skip(f"transformers 4.57.6 is not installed at {TRANSFORMERS4} (`bash .ci/run` installs it there)")
-    x = small_lm_export
-    config = json.loads((x.export / "config.json").read_text())
-    assert config["rope_theta"] == 100000.0 and config["rope_parameters"]["rope_theta"] == 100000.0
-    ids = torch.randint(0, x.target.config.vocab_size, (1, 64))
-    torch.save(ids, tmp_path / "ids.pt")
-    code = ("import sys, torch, transformers; from transformers import AutoModelForCausalLM\n"
-            "assert transformers.__version__.startswith('4.'), transformers.__version__\n"
-            "m = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
-            "assert m.config.rope_theta == 100000.0, m.config.rope_theta\n"
-            "with torch.no_grad(): torch.save(m(torch.load(sys.argv[2])).logits, sys.argv[3])\n")
-    env = {**os.environ, "PYTHONPATH": TRANSFORMERS4, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code, str(x.export), str(tmp_path / "ids.pt"),
-                           str(tmp_path / "logits.pt")], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    with torch.no_grad():
-        close(torch.load(tmp_path / "logits.pt"), x.drafter(ids))
 
 
 def test_medusa2_merged_target_in_transformers(tiny_tokenizer, tmp_path, monkeypatch):
@@ -400,17 +392,6 @@ def test_medusa_export_in_the_medusa_model_code(tiny_target, tiny_target_dir, tm
 
 # ----------------------------------------------------------------------------------------------------------
 # transformers 4.x and 5.x: the converted GGUF target and every export read the same in both majors
-
-
-def in_transformers4(code: str, *args: str) -> None:
-    """Run `code` (argv: args) in a subprocess that imports the transformers 4.x CI installs (.ci/run), or skip."""
-    if not (Path(TRANSFORMERS4) / "transformers").is_dir():
-        pytest.skip(f"transformers 4.53.3 is not installed at {TRANSFORMERS4} (`bash .ci/run` installs it there)")
-    code = ("import sys, torch, transformers\n"
-            "assert transformers.__version__.startswith('4.'), transformers.__version__\n" + code)
-    env = {**os.environ, "PYTHONPATH": TRANSFORMERS4, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
 
 
 TEXTS = ["The quick brown fox.", "  two  spaces\nand\ta tab", "<|im_start|>user\nHi!<|im_end|>", "naïve café 123"]

@@ -280,9 +280,10 @@ class EagleHead(nn.Module):
     def export(src, out: Path, meta: dict) -> dict:
         """EAGLE-1/2 in the layout of the official EAGLE code: SafeAILab/EAGLE eagle/model/cnets1.py `Model`
         (loaded by eagle/model/ea_model.py `EaModel.from_pretrained`, which reads config.json and pytorch_model.bin
-        (eagle-llm 1.2.1) or model.safetensors (the current repository, `use_eagle3=False`): both are written). Its names are ours (fc.*, layers.{i}.*, no input_layernorm in
-        layer 0) plus embed_tokens.weight, the target's embedding, which the older strict loaders require. A head
-        trained without an FC bias gets a zero fc.bias (the same function) so loaders that build the bias get one."""
+        in eagle-llm 1.2.1, model.safetensors in the current repository with `use_eagle3=False`: both are written).
+        Its names are ours (fc.*, layers.{i}.*, no input_layernorm in layer 0) plus embed_tokens.weight, the target's
+        embedding, which the older strict loaders require. A head trained without an FC bias gets a zero fc.bias (the
+        same function) so loaders that build the bias get one."""
         text = src.target_config()
         weights = dict(src.weights)
         layers, dtype = src.config.get("num_layers", 1), weights["fc.weight"].dtype
