@@ -1,5 +1,6 @@
 """One writer per folder: an exclusive lock held for as long as a run (or an answers cache, or a feature store
-being built) writes there, so a second start is refused instead of interleaving with the first.
+being built, or a GGUF conversion) writes there, so a second start is refused, or waits its turn (`acquire(wait=)`,
+as a second conversion of one GGUF does), instead of interleaving with the first.
 
 The lock is an `flock` on a lock file that records who holds it (pid, host, start time, command line). The
 kernel drops an flock when its process dies, however it dies (kill -9 included), so a lock file left by a
