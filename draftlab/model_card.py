@@ -170,12 +170,13 @@ def usage(meta: dict, reports) -> dict[str, str]:
                              f"  --speculative-draft-model-path {repo} {sglang_tree_flags(reports, k)}"),
                 "transformers": no_tf,
                 "official EAGLE code": python_block(
-                    "from eagle.model.ea_model import EaModel   # pip install eagle-llm==1.2.1\n\nmodel = "
+                    "from eagle.model.ea_model import EaModel   # eagle-llm 1.2.1, under transformers 4.x\n\nmodel = "
                     f"EaModel.from_pretrained(base_model_path=\"{base}\", ea_model_path=\"{repo}\")")
                 + "\n\nThe current SafeAILab/EAGLE repository takes `use_eagle3=False` as well and reads the target's "
                   "embedding through the target folder's `model.safetensors.index.json` (draftlab's converted GGUF "
-                  "folders carry one; a one-file Hub model has none). eagle-llm 1.2.1's target class always uses "
-                  "rope theta 10,000, so it serves only targets with that rope base faithfully."}
+                  "folders carry one; a target with a single model.safetensors and no index needs one). eagle-llm "
+                  "1.2.1's target class and head always use rope theta 10,000, so it serves only targets with that "
+                  "rope base faithfully."}
     if fmt_ == "speculators":
         vllm = sh(f"vllm serve {repo}   # the speculators config names the target; vLLM loads both\n# or, explicitly:\n"
                   f"vllm serve {base} --speculative-config "
