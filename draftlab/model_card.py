@@ -170,8 +170,13 @@ def usage(meta: dict, reports) -> dict[str, str]:
                              f"  --speculative-draft-model-path {repo} {sglang_tree_flags(reports, k)}"),
                 "transformers": no_tf,
                 "official EAGLE code": python_block(
-                    "from eagle.model.ea_model import EaModel\n\nmodel = "
-                    f"EaModel.from_pretrained(base_model_path=\"{base}\", ea_model_path=\"{repo}\", use_eagle3=False)")}
+                    "from eagle.model.ea_model import EaModel   # eagle-llm 1.2.1, under transformers 4.x\n\nmodel = "
+                    f"EaModel.from_pretrained(base_model_path=\"{base}\", ea_model_path=\"{repo}\")")
+                + "\n\nThe current SafeAILab/EAGLE repository takes `use_eagle3=False` as well and reads the target's "
+                  "embedding through the target folder's `model.safetensors.index.json` (draftlab's converted GGUF "
+                  "folders carry one; a target with a single model.safetensors and no index needs one). eagle-llm "
+                  "1.2.1's target class and head always use rope theta 10,000, so it serves only targets with that "
+                  "rope base faithfully."}
     if fmt_ == "speculators":
         vllm = sh(f"vllm serve {repo}   # the speculators config names the target; vLLM loads both\n# or, explicitly:\n"
                   f"vllm serve {base} --speculative-config "
@@ -198,7 +203,8 @@ def usage(meta: dict, reports) -> dict[str, str]:
                    "from medusa.model.medusa_model import MedusaModel\n\n"
                    f"model = MedusaModel.from_pretrained(\"{repo}\")   # base model from base_model_name_or_path")
                + "\n\nUse `medusa.model.medusa_model`: `medusa_model_legacy` builds heads without their vocabulary "
-                 "projection and silently drops the trained one." + shared}
+                 "projection and silently drops the trained one. medusa-llm 0.1's target class always uses rope "
+                 "theta 10,000, so it serves only targets with that rope base faithfully." + shared}
         if details.get("merged_target"):
             out["transformers"] = ("The adapted (LoRA-merged) target is the model here; transformers' `generate` "
                                    "serves it without the heads:\n\n" + python_block(

@@ -1,5 +1,6 @@
 """One writer per folder: an exclusive lock held for as long as a run (or an answers cache, or a feature store
-being built) writes there, so a second start is refused instead of interleaving with the first.
+being built, or a GGUF conversion) writes there, so a second start is refused, or waits its turn (`acquire(wait=)`,
+as a second conversion of one GGUF does), instead of interleaving with the first.
 
 The lock is an `flock` on a lock file that records who holds it (pid, host, start time, command line). The
 kernel drops an flock when its process dies, however it dies (kill -9 included), so a lock file left by a
@@ -73,7 +74,10 @@ class FolderLock:
         stale = "" if flock else f" (if that process is gone, delete {self.path})"
         return f"{self.what} is in use by {holder_text(info)}{stale}: {self.hint}"
 
-    def acquire(self) -> "FolderLock":
+    def acquire(self, wait: float | None = 0.0, poll: float = 0.2) -> "FolderLock":
+        """Take the lock; while another live process holds it, wait up to `wait` seconds (None: until it is
+        released) before raising LockError."""
+        deadline = None if wait is None else time.monotonic() + wait
         self._made_dir = not self.path.parent.exists()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while self.fd is None:
@@ -89,11 +93,15 @@ class FolderLock:
                     raise OSError(errno.ENOSYS, "no fcntl")
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                if self._waited(fd, deadline, poll):
+                    continue
                 self._refuse(fd, flock=True)
             except OSError:  # no flock here: a file we created is ours, an existing one its recorded holder's
                 if not created:
                     info = _read(fd)
                     if _alive(info):
+                        if self._waited(fd, deadline, poll):
+                            continue
                         self._refuse(fd, flock=False)
                     os.close(fd)
                     self.took_over = info
@@ -112,6 +120,15 @@ class FolderLock:
             self.fd = fd
         self._write()
         return self
+
+    @staticmethod
+    def _waited(fd: int, deadline: float | None, poll: float) -> bool:
+        """Whether there is time left to try again (then `fd` is closed after a pause of `poll` seconds)."""
+        if deadline is not None and time.monotonic() + poll > deadline:
+            return False
+        os.close(fd)
+        time.sleep(poll)
+        return True
 
     def _refuse(self, fd: int, flock: bool):
         info = _read(fd)

@@ -6,6 +6,7 @@ with `src`, the checkpoint being exported (`hub.Source`: its drafter config, wei
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,16 +38,48 @@ def layer_config(text, num_layers: int) -> dict:
     return config
 
 
+# transformers 4.x's generic fast tokenizer (tokenizer.json as is); 5.x reads the name as its TokenizersBackend
+LEGACY_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+
+
 def add_legacy_keys(folder: Path) -> None:
-    """Give a transformers 5.x config.json the keys transformers 4.x reads instead of `rope_parameters` and `dtype`
-    (4.x would otherwise fall back to rope_theta 10,000 and float32): rope_theta, rope_scaling, torch_dtype."""
+    """Make a folder saved by transformers 5.x read the same under 4.x. config.json gets the keys 4.x reads instead
+    of `rope_parameters` and `dtype` (4.x would otherwise fall back to rope_theta 10,000 and float32): rope_theta,
+    rope_scaling, torch_dtype. tokenizer_config.json's `tokenizer_class` "TokenizersBackend" (a 5.x name that 4.x's
+    AutoTokenizer refuses) becomes PreTrainedTokenizerFast, which both read from the same tokenizer.json."""
     path = folder / "config.json"
     config = json.loads(path.read_text())
     text = config.get("text_config") or config
     extra = legacy_rope(SimpleNamespace(**text))
     if config.get("dtype") and "torch_dtype" not in config:
         extra["torch_dtype"] = config["dtype"]
-    path.write_text(json.dumps({**config, **{k: v for k, v in extra.items() if k not in config}}, indent=2) + "\n")
+    write_json(path, {**config, **{k: v for k, v in extra.items() if k not in config}})
+    tok_path = folder / "tokenizer_config.json"
+    if tok_path.is_file():
+        tok = json.loads(tok_path.read_text())
+        if tok.get("tokenizer_class") in (None, "TokenizersBackend") and (folder / "tokenizer.json").is_file():
+            write_json(tok_path, {**tok, "tokenizer_class": LEGACY_TOKENIZER_CLASS})
+
+
+def add_weight_index(folder: Path) -> None:
+    """Write model.safetensors.index.json for a one-file model.safetensors: tools that find a model's tensors
+    through the index only (the official EAGLE code reads the target's embedding that way) then read the folder
+    too; transformers still loads the single file."""
+    weights = folder / "model.safetensors"
+    with weights.open("rb") as f:                      # safetensors: u64 header length, JSON header, tensor data
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    names = sorted(k for k in header if k != "__metadata__")
+    write_json(folder / "model.safetensors.index.json",
+               {"metadata": {"total_size": weights.stat().st_size - 8 - size},
+                "weight_map": dict.fromkeys(names, weights.name)})
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write JSON through a temporary file and a rename, so a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def unwrap_lora(model: torch.nn.Module) -> None:

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import shutil
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -99,38 +102,97 @@ def gguf_cache_dir(gguf_path: str | Path) -> Path:
     return cache_root() / "gguf" / f"{p.stem}-{key}"
 
 
+# What a converted folder holds, by version; a cache folder of an older version is brought up to date in place.
+# 1 (no marker file): weights, a 5.x config.json and tokenizer files. 2: also the keys transformers 4.x reads
+# (rope_theta / rope_scaling / torch_dtype, a tokenizer_class both majors know) and model.safetensors.index.json.
+CONVERSION_FORMAT = 2
+CONVERSION_MARKER = "draftlab_conversion.json"
+
+
+def conversion_format(folder: Path) -> int:
+    """The version of a converted folder (1 for one without the marker, 0 for no model folder at all)."""
+    if not (folder / "config.json").is_file():
+        return 0
+    try:
+        return int(json.loads((folder / CONVERSION_MARKER).read_text()).get("format", 1))
+    except (OSError, ValueError, AttributeError):
+        return 1
+
+
 def convert_gguf(gguf_path: str, out_dir: str | None = None, verbose: bool = False) -> str:
     """Dequantise a `.gguf` into a safetensors HF folder (weights, config, tokenizer) and return that folder.
 
-    Without `out_dir` the folder is the cache entry of this file, reused when it already exists. The folder is
-    written to a temporary sibling and renamed into place, so an interrupted conversion leaves nothing behind.
+    Without `out_dir` the folder is the cache entry of this file, reused when it already exists (and brought up
+    to date when an older draftlab made it). The folder is written to a temporary sibling and renamed into place,
+    so an interrupted conversion leaves nothing behind. One process converts at a time (a lock beside the
+    folder): a second one started meanwhile waits, then reuses the first one's folder.
     """
     gguf = Path(resolve_target_path(gguf_path))
     if gguf.suffix.lower() != ".gguf":
         raise TargetError(f"{gguf} is not a .gguf file")
     dest = Path(out_dir).expanduser() if out_dir else gguf_cache_dir(gguf)
-    if (dest / "config.json").is_file():
+    if not _needs_work(dest, out_dir is None):
         return str(dest)
-    if dest.exists() and any(dest.iterdir()):
-        raise TargetError(f"output folder {dest} exists and is not empty: pick another --out or remove it")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    t0 = time.time()
-    try:
-        _write_dequantised(gguf, tmp)
-        if dest.exists():  # an empty folder given as --out
-            dest.rmdir()
-        try:
-            os.replace(tmp, dest)
-        except OSError:
-            if not (dest / "config.json").is_file():  # not another process finishing first: a real failure
-                raise
-    finally:
+    with _conversion_lock(gguf, dest):
+        if not _needs_work(dest, out_dir is None):      # another process converted it meanwhile
+            return str(dest)
+        if conversion_format(dest):                     # an older draftlab's folder: brought up to date
+            _finish_folder(dest, gguf)
+            return str(dest)
+        if dest.exists() and any(dest.iterdir()):
+            raise TargetError(f"output folder {dest} exists and is not empty: pick another --out or remove it")
+        tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
+        t0 = time.time()
+        try:
+            _write_dequantised(gguf, tmp)
+            _finish_folder(tmp, gguf)
+            if dest.exists():  # an empty folder given as --out
+                dest.rmdir()
+            os.replace(tmp, dest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     if verbose:
         print(f"converted {gguf.name} in {time.time() - t0:.1f}s -> {dest}")
     return str(dest)
+
+
+def _needs_work(dest: Path, cache_entry: bool) -> bool:
+    """Whether `dest` must be converted or brought up to date. A cache entry is always draftlab's; an --out folder
+    holding a model that draftlab did not convert (no marker) is used as it is."""
+    found = conversion_format(dest)
+    if not found:
+        return True
+    return (cache_entry or (dest / CONVERSION_MARKER).is_file()) and found < CONVERSION_FORMAT
+
+
+@contextmanager
+def _conversion_lock(gguf: Path, dest: Path):
+    """Hold the lock of one conversion's folder: at once or, after one line on stderr, when it is released."""
+    from draftlab.errors import LockError
+    from draftlab.runlock import FolderLock
+
+    lock = FolderLock(dest.with_name(f".{dest.name}.lock"), f"the conversion of {gguf.name} into {dest}",
+                      "waiting for it to finish, then reusing its folder")
+    try:
+        lock.acquire()
+    except LockError as e:
+        print(f"draftlab: {e}", file=sys.stderr, flush=True)
+        lock.acquire(wait=None)
+    try:
+        yield lock
+    finally:
+        lock.release()
+
+
+def _finish_folder(folder: Path, gguf: Path) -> None:
+    """What makes a dequantised folder read the same everywhere (CONVERSION_FORMAT); the marker comes last."""
+    from draftlab.serving import add_legacy_keys, add_weight_index, write_json
+
+    add_legacy_keys(folder)
+    add_weight_index(folder)
+    write_json(folder / CONVERSION_MARKER, {"format": CONVERSION_FORMAT, "gguf": gguf.name})
 
 
 def _write_dequantised(gguf: Path, out: Path) -> None:

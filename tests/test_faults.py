@@ -101,6 +101,29 @@ def test_without_flock_the_recorded_pid_is_checked(tmp_path, monkeypatch):
         FolderLock(path, "store", "hint").acquire()
 
 
+
+@pytest.mark.parametrize("flock", [True, False])
+def test_a_waiting_acquire_gets_the_lock_once_it_is_released(tmp_path, monkeypatch, flock):
+    """acquire(wait=s) retries while the holder lives: it fails after s seconds, and succeeds once it is released."""
+    import threading
+    import time
+
+    if not flock:
+        monkeypatch.setattr(runlock, "fcntl", None)
+    path = tmp_path / runlock.LOCK_NAME
+    holder = FolderLock(path, "conversion", "hint").acquire()
+    start = time.monotonic()
+    with pytest.raises(LockError, match="conversion is in use"):
+        FolderLock(path, "conversion", "hint").acquire(wait=0.3, poll=0.05)
+    assert time.monotonic() - start >= 0.25
+    release = threading.Timer(0.3, holder.release)
+    release.start()
+    second = FolderLock(path, "conversion", "hint").acquire(wait=None, poll=0.05)
+    release.join()
+    assert time.monotonic() - start >= 0.55 and second.took_over is None and json.loads(path.read_text())["pid"] == os.getpid()
+    second.release()
+    assert not path.exists()
+
 # --- one writer per run folder -----------------------------------------------------------------------------------
 
 def test_a_second_training_or_a_resume_into_a_running_run_is_refused(tiny_target_dir, tiny_chat_file, tmp_path,

@@ -4,14 +4,16 @@ Each test exports a drafter trained on a tiny random target, loads it with the r
 and compares the client's draft logits with draftlab's (within 1e-4, top-1 agreement 100%). The card's Python
 usage snippets are executed as written, with the repository id replaced by the local export folder.
 
-Clients (versions pinned in .ci/run): transformers (the project's own 5.23, and 4.57.6 in a separate folder,
-DRAFTLAB_TRANSFORMERS4, run in a subprocess), speculators 0.9.0, medusa-llm 0.1 (FasterDecoding/Medusa) and
-eagle-llm 1.2.1 (SafeAILab/EAGLE's EAGLE-1 head). Where a client's own *target* model class cannot be built under
-transformers 5.23 (Medusa's KV-cache Llama, written for 4.x), the test swaps in transformers' Llama for the target
-only and says so; the head classes, configs and weight loaders are always the client's own.
+Clients (versions pinned in .ci/run): transformers (the project's own 5.23, and 4.53.3, which the official EAGLE
+and Medusa code run under, in a separate folder, DRAFTLAB_TRANSFORMERS4, run in a subprocess), speculators 0.9.0,
+medusa-llm 0.1 (FasterDecoding/Medusa) and eagle-llm 1.2.1 (SafeAILab/EAGLE's EAGLE-1 head). Where a client's own
+*target* model class cannot be built under transformers 5.23 (Medusa's KV-cache Llama, written for 4.x), the test
+swaps in transformers' Llama for the target only and says so; the head classes, configs and weight loaders are
+always the client's own. Under 4.53.3 (the last test) their card snippets run with their own target classes.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -36,6 +38,7 @@ from draftlab.foreign import find_foreign
 from draftlab.model_card import usage
 from test_hub import make_run
 
+TRANSFORMERS4_VERSION = "4.53.3"      # what the official EAGLE and Medusa code run under; .ci/run installs it
 TRANSFORMERS4 = os.environ.get("DRAFTLAB_TRANSFORMERS4") or str(Path(__file__).parents[1] / ".ci/clients/transformers4")
 
 
@@ -82,8 +85,21 @@ def native_copy(export: Path, dest: Path, names: tuple[str, ...]) -> Path:
     return dest
 
 
+def in_transformers4(code: str, *args: str) -> None:
+    """Run `code` (argv: args) in a subprocess that imports the transformers 4.x CI installs (.ci/run), or skip."""
+    found = [p.name for p in Path(TRANSFORMERS4).glob("transformers-*.dist-info")]
+    if found != [f"transformers-{TRANSFORMERS4_VERSION}.dist-info"]:
+        pytest.skip(f"transformers {TRANSFORMERS4_VERSION} is not installed at {TRANSFORMERS4} "
+                    f"(found {found or 'none'}; `bash .ci/run` installs it there)")
+    code = ("import sys, torch, transformers\n"
+            f"assert transformers.__version__ == {TRANSFORMERS4_VERSION!r}, transformers.__version__\n" + code)
+    env = {**os.environ, "PYTHONPATH": TRANSFORMERS4, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 # ----------------------------------------------------------------------------------------------------------
-# small_lm: transformers assisted generation (5.23 here, 4.57.6 in a subprocess)
+# small_lm: transformers assisted generation (5.23; 4.53.3 below, with every other export)
 
 
 def tiny_llama_theta(tokenizer, theta: float):
@@ -129,29 +145,6 @@ def test_small_lm_card_snippet_runs_assisted_generation(small_lm_export, tiny_to
     ids = plain[:, :96]
     with torch.no_grad():
         close(draft(ids).logits, x.drafter(ids))
-
-
-def test_small_lm_export_reads_the_same_in_transformers_4(small_lm_export, tmp_path):
-    """transformers 4.x reads rope_theta (not rope_parameters): the export must carry it, or 4.x drafts with
-    theta 10,000 instead of the target's 100,000."""
-    if not (Path(TRANSFORMERS4) / "transformers").is_dir():
-        pytest.skip(f"transformers 4.57.6 is not installed at {TRANSFORMERS4} (`bash .ci/run` installs it there)")
-    x = small_lm_export
-    config = json.loads((x.export / "config.json").read_text())
-    assert config["rope_theta"] == 100000.0 and config["rope_parameters"]["rope_theta"] == 100000.0
-    ids = torch.randint(0, x.target.config.vocab_size, (1, 64))
-    torch.save(ids, tmp_path / "ids.pt")
-    code = ("import sys, torch, transformers; from transformers import AutoModelForCausalLM\n"
-            "assert transformers.__version__.startswith('4.'), transformers.__version__\n"
-            "m = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
-            "assert m.config.rope_theta == 100000.0, m.config.rope_theta\n"
-            "with torch.no_grad(): torch.save(m(torch.load(sys.argv[2])).logits, sys.argv[3])\n")
-    env = {**os.environ, "PYTHONPATH": TRANSFORMERS4, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-c", code, str(x.export), str(tmp_path / "ids.pt"),
-                           str(tmp_path / "logits.pt")], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    with torch.no_grad():
-        close(torch.load(tmp_path / "logits.pt"), x.drafter(ids))
 
 
 def test_medusa2_merged_target_in_transformers(tiny_tokenizer, tmp_path, monkeypatch):
@@ -395,3 +388,122 @@ def test_medusa_export_in_the_medusa_model_code(tiny_target, tiny_target_dir, tm
         again = found.load(model)
         assert again.tree_choices() == heads.tree_choices()
         close(again.head_logits(hidden), reference)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# transformers 4.x and 5.x: the converted GGUF target and every export read the same in both majors
+
+
+TEXTS = ["The quick brown fox.", "  two  spaces\nand\ta tab", "<|im_start|>user\nHi!<|im_end|>", "naïve café 123"]
+
+# Under transformers 4.x: read every folder of `case.json`, run the card snippets as written, save what was read.
+READ_IN_4 = r"""
+import json
+from pathlib import Path
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+case = json.loads(Path(sys.argv[1]).read_text())
+ids, feats = torch.load(case["ids"]), torch.load(case["feats"])
+out = {"rope": {}, "tokens": {}}
+def tokens(tok):
+    return [tok(t, add_special_tokens=False).input_ids for t in case["texts"]]
+target = AutoModelForCausalLM.from_pretrained(case["target"]).eval()
+out["rope"]["target"] = AutoConfig.from_pretrained(case["target"]).rope_theta
+out["tokens"]["target"] = tokens(AutoTokenizer.from_pretrained(case["target"]))
+small = AutoModelForCausalLM.from_pretrained(case["small_lm"]).eval()
+out["rope"]["small_lm"] = small.config.rope_theta
+out["tokens"]["small_lm"] = tokens(AutoTokenizer.from_pretrained(case["small_lm"]))
+out["rope"]["eagle"] = AutoConfig.from_pretrained(case["eagle"]).rope_theta
+layer = json.loads(Path(case["eagle3"], "config.json").read_text())["transformer_layer_config"]
+out["rope"]["eagle3"] = LlamaConfig(**layer).rope_theta
+ns = {}
+exec(case["medusa_snippet"], ns)                      # MedusaModel.from_pretrained(export): base model + tokenizer
+medusa = ns["model"]
+out["rope"]["medusa"] = medusa.base_model.config.rope_theta
+out["tokens"]["medusa"] = tokens(medusa.tokenizer)
+ns = {}
+exec(case["eagle_snippet"], ns)                       # EaModel.from_pretrained(base_model_path=..., ea_model_path=...)
+eagle = ns["model"]
+out["tokens"]["eagle"] = tokens(eagle.tokenizer)
+with torch.no_grad():
+    run = target(ids, output_hidden_states=True)
+    hidden = run.hidden_states[-1]
+    tensors = {"target_logits": run.logits, "target_hidden": hidden, "small_lm_logits": small(ids).logits,
+               "medusa_heads": torch.stack([h(hidden) for h in medusa.medusa_head]),
+               "eagle_head_1.2.1": eagle.ea_layer(feats, ids)}
+    # eagle-llm 1.2.1's head always builds its rotary embedding with base 10,000; the current EAGLE repository's
+    # (cnets1.py) reads config.json's rope_theta, as here:
+    for layer in eagle.ea_layer.layers:
+        old = layer.self_attn.rotary_emb
+        layer.self_attn.rotary_emb = type(old)(old.dim, old.max_position_embeddings,
+                                               base=layer.self_attn.config.rope_theta)
+    tensors["eagle_head"] = eagle.ea_layer(feats, ids)
+torch.save(tensors, case["tensors"])
+Path(case["out"]).write_text(json.dumps(out))
+"""
+
+
+def test_converted_target_and_exports_read_the_same_in_transformers_4_and_5(tiny_tokenizer, tmp_path, monkeypatch):
+    """A GGUF target with rope theta 100,000 (as SmolLM2's) converted by draftlab, and the eagle, eagle3, medusa and
+    small_lm exports made against it: transformers 4.53.3 (the official EAGLE and Medusa code's, in a subprocess,
+    with their card snippets run as written) reads the same rope base and tokenizer as 5.x, and computes the same
+    target logits and last hidden state, small_lm logits, Medusa head logits and EAGLE head outputs."""
+    for module, name in (("medusa", "medusa-llm 0.1"), ("eagle", "eagle-llm 1.2.1")):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{name} is not installed (`bash .ci/run` installs it; see README.md, 'Checked with')")
+    from draftlab.drafters.small_lm import SmallLM
+    from draftlab.target import convert_gguf, load_target
+    from test_target import write_tiny_gguf
+
+    for cls in (SmallLM, EagleHead, EagleHead3, MedusaHeads):
+        monkeypatch.setitem(DRAFTERS, cls.kind, cls)
+    monkeypatch.setenv("DRAFTLAB_CACHE", str(tmp_path / "cache"))
+    write_tiny_gguf(tiny_llama_theta(tiny_tokenizer, 100000.0), tiny_tokenizer, tmp_path / "tiny.gguf")
+    folder = convert_gguf(str(tmp_path / "tiny.gguf"))
+    target, tok = load_target(folder)
+    torch.manual_seed(0)
+    drafters = {"eagle": EagleHead.from_target(target, None),
+                "eagle3": EagleHead3(target, draft_vocab_size=100, draft_vocab=list(range(50, 250, 2))),
+                "medusa": MedusaHeads.from_target(target, SimpleNamespace(medusa_heads=2, medusa_layers=1)),
+                "small_lm": SmallLM.from_target(target, SimpleNamespace(num_layers=1), tok)}
+    case = {"target": folder, "texts": TEXTS, "ids": str(tmp_path / "ids.pt"), "feats": str(tmp_path / "feats.pt"),
+            "out": str(tmp_path / "read.json"), "tensors": str(tmp_path / "tensors.pt")}
+    for kind, drafter in drafters.items():
+        perturb(drafter.eval())
+        run = make_run(tmp_path / f"run_{kind}", drafter, target_path=folder)
+        case[kind] = str(hub.export_checkpoint(run, tmp_path / kind, target=target, tokenizer=tok))
+    assert json.loads((Path(case["medusa"]) / "config.json").read_text())["base_model_name_or_path"] == folder
+    case["medusa_snippet"] = snippet(Path(case["medusa"]), "official Medusa code")
+    case["eagle_snippet"] = snippet(Path(case["eagle"]), "official EAGLE code")
+    ids = torch.tensor([tok.encode(" ".join(TEXTS))[:40]])
+    feats = torch.randn(1, ids.shape[1], target.config.hidden_size)
+    torch.save(ids, case["ids"])
+    torch.save(feats, case["feats"])
+    (tmp_path / "case.json").write_text(json.dumps(case))
+    in_transformers4(READ_IN_4, str(tmp_path / "case.json"))
+    four, theirs = json.loads((tmp_path / "read.json").read_text()), torch.load(case["tensors"])
+
+    # transformers 5.x, in this process
+    from transformers import AutoConfig, AutoTokenizer
+
+    def tokens(t):
+        return [t(text, add_special_tokens=False).input_ids for text in TEXTS]
+
+    assert four["rope"] == dict.fromkeys(["target", "small_lm", "eagle", "eagle3", "medusa"], 100000.0)
+    assert AutoConfig.from_pretrained(folder).rope_parameters["rope_theta"] == 100000.0
+    for kind in ("small_lm", "eagle"):
+        assert AutoConfig.from_pretrained(case[kind]).rope_parameters["rope_theta"] == 100000.0
+    reference = tokens(tiny_tokenizer)
+    assert tokens(tok) == tokens(AutoTokenizer.from_pretrained(case["small_lm"])) == reference
+    assert four["tokens"] == dict.fromkeys(["target", "small_lm", "medusa", "eagle"], reference)
+    with torch.no_grad():
+        run = target(ids, output_hidden_states=True)
+        hidden = run.hidden_states[-1]
+        close(theirs["target_logits"], run.logits)
+        torch.testing.assert_close(theirs["target_hidden"], hidden, rtol=1e-4, atol=1e-4)
+        close(theirs["small_lm_logits"], drafters["small_lm"](ids))
+        close(theirs["medusa_heads"], drafters["medusa"].head_logits(hidden))
+        head = drafters["eagle"]
+        mask = additive(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool).tril()[None], torch.float32)
+        ours = head(feats, ids, torch.arange(ids.shape[1])[None], mask)
+        close(head.logits(theirs["eagle_head"]), head.logits(ours))
+        assert not torch.allclose(theirs["eagle_head_1.2.1"], ours, atol=1e-4)     # the card's note on eagle-llm

@@ -205,3 +205,83 @@ def test_fingerprint_identifies_the_target(tiny_target, tiny_target_dir):
     tok2 = build_tokenizer()
     tok2.add_tokens(["<extra>"])
     assert target_fingerprint(model, tok2)["vocab_hash"] != fp["vocab_hash"]
+
+
+# Converts after a barrier (both processes start converting at the same moment) and says whether it dequantised.
+CONVERT_AT_ONCE = r"""
+import sys, time
+from pathlib import Path
+import draftlab.target as target
+real, converted = target._write_dequantised, []
+def counted(*args):
+    converted.append(1)
+    time.sleep(1.0)                     # widen the window in which the other process looks at the folder
+    real(*args)
+target._write_dequantised = counted
+Path(sys.argv[2]).touch()
+while not all(Path(p).exists() for p in sys.argv[3:]):
+    time.sleep(0.01)
+print(target.convert_gguf(sys.argv[1]), bool(converted))
+"""
+
+
+def test_two_processes_converting_at_once_share_one_folder(tmp_path, monkeypatch, tiny_target):
+    """Two first-time conversions of one GGUF started together: one converts, the other waits for it and reuses
+    its folder; both succeed with the same folder, no traceback, nothing left beside it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ref, tok = tiny_target
+    gguf_file = tmp_path / "tiny.gguf"
+    write_tiny_gguf(ref, tok, gguf_file)
+    monkeypatch.setenv("DRAFTLAB_CACHE", str(tmp_path / "cache"))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(Path(__file__).parents[1])}
+    ready = [str(tmp_path / f"ready{i}") for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", CONVERT_AT_ONCE, str(gguf_file), ready[i], *ready], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    results = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    for out, err, code in results:
+        assert code == 0 and "Traceback" not in err, err[-2000:]
+    folders = {out.split()[0] for out, _, _ in results}
+    assert folders == {str(gguf_cache_dir(gguf_file))}
+    assert sorted(out.split()[1] for out, _, _ in results) == ["False", "True"]     # converted once
+    notes = [line for _, err, _ in results for line in err.splitlines() if line.startswith("draftlab:")]
+    assert all("waiting for it to finish, then reusing its folder" in line for line in notes), notes
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == [gguf_cache_dir(gguf_file).name]
+    model, tok2 = load_target(folders.pop())
+    ids = torch.tensor([tok.encode("Two runs share one target")])
+    torch.testing.assert_close(model(ids).logits, ref(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_folder_converted_by_an_older_draftlab_is_brought_up_to_date(tmp_path, monkeypatch, tiny_target):
+    """A cache folder without the 4.x keys, the index and the format marker (what earlier versions wrote) gets them
+    on the next load, without converting again."""
+    from draftlab.target import CONVERSION_FORMAT, CONVERSION_MARKER
+
+    ref, tok = tiny_target
+    gguf_file = tmp_path / "tiny.gguf"
+    write_tiny_gguf(ref, tok, gguf_file)
+    monkeypatch.setenv("DRAFTLAB_CACHE", str(tmp_path / "cache"))
+    folder = gguf_cache_dir(gguf_file)
+    convert_gguf(str(gguf_file))
+    config = json.loads((folder / "config.json").read_text())
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    for key in ("rope_theta", "rope_scaling", "torch_dtype"):
+        config.pop(key)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tok_config, "tokenizer_class": "TokenizersBackend"}))
+    (folder / CONVERSION_MARKER).unlink()
+    (folder / "model.safetensors.index.json").unlink()
+    mtime = (folder / "model.safetensors").stat().st_mtime_ns
+    model, _ = load_target(str(gguf_file))
+    assert (folder / "model.safetensors").stat().st_mtime_ns == mtime                  # not converted again
+    config = json.loads((folder / "config.json").read_text())
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] and config["rope_scaling"] is None
+    assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert json.loads((folder / CONVERSION_MARKER).read_text())["format"] == CONVERSION_FORMAT
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model.safetensors"}
+    assert "model.embed_tokens.weight" in index["weight_map"]
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]

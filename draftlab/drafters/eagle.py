@@ -289,10 +289,11 @@ class EagleHead(nn.Module):
     @staticmethod
     def export(src, out: Path, meta: dict) -> dict:
         """EAGLE-1/2 in the layout of the official EAGLE code: SafeAILab/EAGLE eagle/model/cnets1.py `Model`
-        (loaded by eagle/model/ea_model.py `EaModel.from_pretrained(use_eagle3=False, ...)`, which reads config.json
-        and pytorch_model.bin or model.safetensors). Its names are ours (fc.*, layers.{i}.*, no input_layernorm in
-        layer 0) plus embed_tokens.weight, the target's embedding, which the older strict loaders require. A head
-        trained without an FC bias gets a zero fc.bias (the same function) so loaders that build the bias get one."""
+        (loaded by eagle/model/ea_model.py `EaModel.from_pretrained`, which reads config.json and pytorch_model.bin
+        in eagle-llm 1.2.1, model.safetensors in the current repository with `use_eagle3=False`: both are written).
+        Its names are ours (fc.*, layers.{i}.*, no input_layernorm in layer 0) plus embed_tokens.weight, the target's
+        embedding, which the older strict loaders require. A head trained without an FC bias gets a zero fc.bias (the
+        same function) so loaders that build the bias get one."""
         text = src.target_config()
         weights = dict(src.weights)
         layers, dtype = src.config.get("num_layers", 1), weights["fc.weight"].dtype
@@ -308,7 +309,9 @@ class EagleHead(nn.Module):
             odd = sorted(set(weights) ^ expected)[:3]
             raise HubError(f"this eagle head has weights the official EAGLE code does not know ({odd}): its target "
                            f"architecture ({text.model_type}) is not a Llama-style one; export with --format draftlab")
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"), {"format": "pt"})
+        weights = {k: v.contiguous() for k, v in weights.items()}
+        save_file(weights, str(out / "model.safetensors"), {"format": "pt"})
+        torch.save(weights, out / "pytorch_model.bin")       # what eagle-llm 1.2.1's EaModel.from_pretrained reads
         config = {"architectures": src.architectures() or ["LlamaForCausalLM"], **layer_config(text, layers),
                   "bias": True, "qkv_bias": qkv_bias, "torch_dtype": str(dtype).removeprefix("torch.")}
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
