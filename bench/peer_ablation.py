@@ -48,7 +48,7 @@ COMMON = ["recipe=eagle3_head", f"target.path={TARGET}", f"data.train={DATA}/tra
           "drafter.ttt_steps=3", "drafter.ttt_decay=1.0", "drafter.draft_vocab_size=4096", "train.lr=1e-3",
           "train.weight_decay=0.01", "train.adam_beta1=0.9", "train.adam_beta2=0.999", "train.warmup_steps=0",
           "train.schedule=constant", "train.grad_clip=1.0", "train.num_threads=1", "train.log_every=1",
-          "train.keep_last=0", "train.grad_accum=1", "eval.every=0", "seed=0", "tracking=jsonl"]
+          "train.keep_last=0", "train.save_every=40", "train.grad_accum=1", "eval.every=0", "seed=0", "tracking=jsonl"]
 
 # run name -> (what it changes, its overrides); every run but `base` changes one thing
 RUNS = {

@@ -17,10 +17,10 @@ import torch
 from torch import Tensor
 
 
-def pack(lengths: list[int], order: list[int], max_tokens: int) -> list[list[int]]:
+def pack(lengths: list[int], order: list[int], max_tokens: int, window: int = 64) -> list[list[int]]:
     """Dataset indices in `order`, grouped into rows of at most max_tokens tokens by first fit: each conversation
-    goes into the first row that still has room for it, else it opens a new one (rows stay in the order they were
-    opened, conversations in a row in `order`). A conversation longer than max_tokens is refused: data.max_length
+    goes into the first of the `window` newest rows that still has room for it, else it opens a new one (rows stay
+    in the order they were opened, conversations in a row in `order`). A conversation longer than max_tokens is refused: data.max_length
     must not exceed train.pack_tokens."""
     rows: list[list[int]] = []
     room: list[int] = []
@@ -29,8 +29,9 @@ def pack(lengths: list[int], order: list[int], max_tokens: int) -> list[list[int
         if n > max_tokens:
             raise ValueError(f"a conversation of {n} tokens does not fit a packed row of {max_tokens}: set "
                              f"train.pack_tokens to at least data.max_length")
-        for r, free in enumerate(room):
-            if n <= free:
+        first = max(0, len(rows) - window)     # only the newest rows are searched: linear time on big data
+        for r in range(first, len(rows)):
+            if n <= room[r]:
                 rows[r].append(i)
                 room[r] -= n
                 break

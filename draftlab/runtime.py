@@ -143,6 +143,7 @@ class Batches:
         self.bucketed = bucketed and len(dataset) >= self.glob and not pack_tokens
         self.bucket_batches = bucket_batches
         self._cached: tuple[int, list[list[int]]] | None = None
+        self._sizes: list[int] = []            # batches of epochs 0, 1, ... (packed epochs differ in size)
         self.per_epoch = len(self.epoch_batches(0))
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
@@ -173,9 +174,23 @@ class Batches:
         self._cached = (epoch, batches)
         return batches
 
+    def locate(self, micro_step: int) -> tuple[int, int]:
+        """(epoch, batch within it) of a data position. Unpacked epochs all hold per_epoch batches; packed ones
+        hold as many as their packing gives, so the position walks through the epochs' sizes."""
+        if not self.pack_tokens:
+            return divmod(micro_step, self.per_epoch)
+        epoch = 0
+        while True:
+            while len(self._sizes) <= epoch:
+                self._sizes.append(len(self.epoch_batches(len(self._sizes))))
+            if micro_step < self._sizes[epoch]:
+                return epoch, micro_step
+            micro_step -= self._sizes[epoch]
+            epoch += 1
+
     def indices(self, micro_step: int) -> list[int]:
         """This process's dataset indices at a data position."""
-        epoch, pos = divmod(micro_step, self.per_epoch)
+        epoch, pos = self.locate(micro_step)
         chunk = self.epoch_batches(epoch)[pos]
         if self.bucketed:
             return chunk[self.rank::self.world]

@@ -59,6 +59,25 @@ def test_pack_keeps_order_and_limit():
         packing.pack([11], [0], 10)
 
 
+def test_packed_batches_walk_through_epochs_of_different_sizes(rows, six):
+    """Each epoch's packing has its own number of rows; the data position still walks every epoch whole, in
+    order, and a resumed position (a new Batches at the same micro_step) gives the same batches."""
+    from draftlab.runtime import Batches
+
+    batches = Batches(six, 1, 1, 0, seed=3, pad_token_id=0, pack_tokens=250)
+    sizes = [len(batches.epoch_batches(e)) for e in range(6)]
+    assert len(set(sizes)) > 1, sizes          # this seed's epochs pack into different numbers of rows
+    seen = [batches.next()[0] for _ in range(sum(sizes))]
+    start = 0
+    for e, n in enumerate(sizes):
+        assert seen[start:start + n] == batches.epoch_batches(e)
+        assert sorted(i for b in seen[start:start + n] for r in b for i in r) == list(range(len(six)))
+        start += n
+    again = Batches(six, 1, 1, 0, seed=3, pad_token_id=0, pack_tokens=250)
+    again.micro_step = sizes[0] + 1
+    assert again.next()[0] == seen[sizes[0] + 1]
+
+
 def test_collate_packed_layout(rows, target):
     batch = packing.collate_packed([rows[:3]], target[1].pad_token_id)
     n = [len(r["input_ids"]) for r in rows[:3]]
