@@ -65,8 +65,8 @@ def main(argv=None) -> None:
     target, tokenizer = load_target(args.target, "float32", "cpu")
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0)
-    backends = {f"transformers, batch {args.batch_size}": TransformersBackend(target, tokenizer, batch_size=args.batch_size,
-                                                                             model_file=gguf, **kw),
+    backends = {f"transformers, batch {args.batch_size}": TransformersBackend(
+                    target, tokenizer, batch_size=args.batch_size, model_file=gguf, **kw),
                 f"llama_cpp, {args.parallel} sequences": LlamaCppBackend(gguf, parallel=args.parallel,
                                                                          threads=args.threads, context=1024, **kw)}
     server = None
@@ -178,8 +178,8 @@ def write(header: dict, runs: dict[str, list[dict]], faithfulness: dict) -> None
               "others, the token position where they first differ (0 = the first answer token).", "",
               "| backend | identical | mean first difference | median |", "|---|---|---|---|"]
     for name, f in faithfulness.items():
-        lines.append(f"| {name} | {f['identical']}/{f['prompts']} ({100 * f['identical_share']:.0f}%) | "
-                     f"{f['mean_first_difference'] if f['mean_first_difference'] is None else round(f['mean_first_difference'], 1)} | "
+        mean = None if f["mean_first_difference"] is None else round(f["mean_first_difference"], 1)
+        lines.append(f"| {name} | {f['identical']}/{f['prompts']} ({100 * f['identical_share']:.0f}%) | {mean} | "
                      f"{f['median_first_difference']} |")
     lines += ["", f"Chat-templated prompts tokenised identically by llama.cpp and transformers: "
               f"{header['prompts_tokenised_identically']}/{header['num_prompts']}. transformers computes in fp32 on "
