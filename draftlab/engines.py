@@ -22,6 +22,7 @@ import os
 import time
 import urllib.error
 import urllib.request
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -175,7 +176,8 @@ def render_chat(template: str, messages: list[dict], bos: str, eos: str) -> str:
 
 
 class LlamaCppBackend:
-    """llama.cpp on a GGUF file, `parallel` sequences per decode step (one KV stream each), `threads` CPU threads.
+    """llama.cpp on a GGUF file, `parallel` sequences per decode step (one KV stream each of `context` tokens),
+    `threads` CPU threads, flash attention only when `flash_attn`.
 
     Prompts are rendered with the GGUF's own chat template and tokenised by llama.cpp; greedy picks the argmax
     of each sequence's logits, temperature > 0 samples from softmax(logits / T) with a seeded generator.
@@ -183,7 +185,7 @@ class LlamaCppBackend:
     name = "llama_cpp"
 
     def __init__(self, model_file: str, max_new_tokens: int = 256, temperature: float = 0.0, parallel: int = 16,
-                 threads: int | None = None, context: int = 2048, seed: int = 0):
+                 threads: int | None = None, context: int = 2048, seed: int = 0, flash_attn: bool = False):
         lc = import_llama_cpp()
         from llama_cpp import _internals
 
@@ -192,7 +194,7 @@ class LlamaCppBackend:
                               "(--target FILE.gguf or package:PKG/FILE)")
         self.lc, self.model_file, self.parallel, self.context = lc, str(model_file), parallel, context
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
-        self.threads = threads or machine_threads()
+        self.threads, self.flash_attn = threads or machine_threads(), flash_attn
         try:  # the high-level object loads the weights (and initialises the backend); decoding uses our context
             self.llm = lc.Llama(model_path=self.model_file, n_ctx=64, n_batch=64, n_threads=self.threads,
                                 verbose=False)
@@ -203,6 +205,8 @@ class LlamaCppBackend:
         params.n_batch = params.n_ubatch = max(512, context)
         params.n_seq_max = parallel
         params.kv_unified = False
+        # off unless asked, as in llama-cpp-python's Llama and its server (llama.cpp's own default is "auto")
+        params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.n_threads = params.n_threads_batch = self.threads
         self.ctx = _internals.LlamaContext(model=self.llm._model, params=params, verbose=False)
         self.batch = _internals.LlamaBatch(n_tokens=params.n_batch, embd=0, n_seq_max=1, verbose=False)
@@ -212,6 +216,8 @@ class LlamaCppBackend:
         if not self.template:
             raise TargetError(f"{model_file} has no chat template (tokenizer.chat_template): the llama_cpp backend "
                               "answers chat prompts with the target's own template")
+        # freed in this order when the backend goes (or at exit, before llama_cpp's module is torn down)
+        weakref.finalize(self, _close_all, self.batch, self.ctx, self.llm)
         self.bos = self.llm.detokenize([self.llm.token_bos()], special=True).decode("utf-8", "replace")
         self.eos = self.llm.detokenize([self.llm.token_eos()], special=True).decode("utf-8", "replace")
 
@@ -219,7 +225,7 @@ class LlamaCppBackend:
         return {"backend": self.name, "model_sha256": file_sha256(self.model_file),
                 "chat_template": template_hash(self.template),
                 "sampling": sampling_settings(self.temperature, self.max_new_tokens, self.seed),
-                "threads": self.threads, "parallel": self.parallel}
+                "threads": self.threads, "parallel": self.parallel, "flash_attn": self.flash_attn}
 
     def encode(self, prompt: Prompt) -> list[int]:
         text = render_chat(self.template, prompt.messages, self.bos, self.eos)
@@ -289,9 +295,12 @@ class LlamaCppBackend:
                 yield group
 
     def close(self) -> None:
-        self.batch.close()
-        self.ctx.close()
-        self.llm.close()
+        _close_all(self.batch, self.ctx, self.llm)
+
+
+def _close_all(*things) -> None:
+    for thing in things:
+        thing.close()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -349,8 +358,12 @@ class OpenAIBackend:
                                                                           self.seed)}
 
     def _answer(self, prompt: Prompt, first_url: int) -> Answer:
+        # Plain sampling, as the other backends do: servers' own defaults differ (llama_cpp.server: top-k 40, min-p
+        # 0.05, repeat penalty 1.1), so the extras that vLLM / SGLang (repetition_penalty) and llama.cpp
+        # (repeat_penalty) read are sent too; servers ignore the fields they do not know.
         body = {"model": self.model, "messages": prompt.messages, "max_tokens": self.max_new_tokens,
-                "temperature": self.temperature, "top_p": 1.0}
+                "temperature": self.temperature, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                "repeat_penalty": 1.0}
         if self.temperature > 0:
             body["seed"] = self.seed
         for attempt in range(self.retries + 1):
