@@ -172,6 +172,8 @@ def write(header: dict, runs: dict[str, list[dict]], faithfulness: dict) -> None
              "|---|---|---|---|---|"]
     for r in rows:
         cells = [f"{r[k]:.1f} ({r[k + '_min']:.1f}-{r[k + '_max']:.1f})" for k in RATES]
+        if r["config"].startswith("openai"):  # the server computes in its own process
+            cells[1] = "n/a (server process)"
         lines.append(f"| {r['config']} | " + " | ".join(cells) + f" | {r['ratio_to_transformers']:.2f} | "
                      f"{r['runs'][0]['new_tokens']} |")
     lines += ["", "Faithfulness against transformers (greedy, first repeat): answers identical as text; for the "
