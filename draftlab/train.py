@@ -297,14 +297,24 @@ def prepare_train_data(cfg, target, tokenizer, accelerator) -> None:
             print(f"data: {train_file} exists and was not made by regeneration: using it as is", flush=True)
         return
     if accelerator.is_main_process:
-        from draftlab.answers import answer_prompts
+        from draftlab.answers import answer_with
         from draftlab.data import load_prompts
+        from draftlab.engines import TransformersBackend, make_backend
+        from draftlab.target import resolve_target_path
 
         prompts = load_prompts(cfg.data.regenerate_from, limit=cfg.data.regenerate_num or None)
+        d = cfg.data
+        if d.regenerate_backend == "transformers":  # the target already loaded for training answers
+            backend = TransformersBackend(target, tokenizer, d.regenerate_max_new_tokens, d.regenerate_batch_size,
+                                          model_file=resolve_target_path(cfg.target.path))
+        else:
+            backend = make_backend(d.regenerate_backend, cfg.target.path, max_new_tokens=d.regenerate_max_new_tokens,
+                                   parallel=d.regenerate_concurrency, concurrency=d.regenerate_concurrency,
+                                   urls=[u for u in d.regenerate_server_urls.split(",") if u.strip()],
+                                   timeout=d.regenerate_timeout, threads=cfg.train.num_threads or None)
         train_file.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(f"{cfg.data.regenerate_from}\n")
-        answer_prompts(target, tokenizer, prompts, str(train_file),
-                       max_new_tokens=cfg.data.regenerate_max_new_tokens, batch_size=cfg.data.regenerate_batch_size)
+        answer_with(backend, prompts, str(train_file))
     accelerator.wait_for_everyone()
 
 

@@ -36,12 +36,16 @@ def answered(tiny_target, tiny_prompt_file, tmp_path_factory):
 
 def test_rows_are_chat_rows_answering_each_prompt(answered, tiny_target):
     prompts, out, counts = answered
-    rows = rows_of(out)
+    rows = sorted(rows_of(out), key=lambda r: int(r["id"][1:]))
     assert [r["id"] for r in rows] == [p.id for p in prompts]
     assert counts["answered"] == len(prompts) and counts["skipped"] == 0
+    # p6 and p7 repeat the messages of p0 and p1 (the fixture cycles 6 texts): answered once, copied
+    assert counts["duplicates"] == 2 and [r.get("copy_of") for r in rows[6:]] == ["p0", "p1"]
+    assert all(r["backend"] == "transformers" and r["sampling"]["temperature"] == 0.0 for r in rows)
     assert counts["eos"] + counts["length"] == len(prompts)
     _, tok = tiny_target
     for row, prompt in zip(rows, prompts):
+        assert row["messages"][-1] == rows[int(row.get("copy_of", row["id"])[1:])]["messages"][-1]
         assert row["messages"][:-1] == prompt.messages
         assert row["messages"][-1]["role"] == "assistant" and isinstance(row["messages"][-1]["content"], str)
         assert row["finish"] in ("eos", "length")
@@ -83,7 +87,8 @@ def test_more_prompts_extend_the_file(tiny_target, tiny_prompt_file, tmp_path):
     prompts = load_prompts(tiny_prompt_file)
     answer_prompts(model, tok, prompts + prompts[:2], str(path), max_new_tokens=4, progress=False)
     rows = rows_of(path)
-    assert rows[:3] == first and [r["id"] for r in rows] == [p.id for p in prompts]
+    assert rows[:3] == first and sorted(r["id"] for r in rows) == sorted(p.id for p in prompts)
+    assert {r["id"]: r.get("copy_of") for r in rows if "copy_of" in r} == {"p6": "p0", "p7": "p1"}
 
 
 def test_a_corrupt_row_inside_the_file_is_not_overwritten(tiny_target, tiny_prompt_file, tmp_path):
