@@ -244,7 +244,8 @@ def report() -> None:
                  c.removeprefix("tau_").replace("_", " ") for c in cells) + " | lossless |",
              "|---|---|---|---|---|---|" + "---|" * len(cells) + "---|"]
     for r in rows:
-        lossless = all(v for k, v in r.items() if k.startswith("lossless_"))
+        checks = [v for k, v in r.items() if k.startswith("lossless_")]
+        lossless = all(checks) if checks else "-"
         lines.append(f"| {r['run']} | {r['changes']} | {r['steps']} | {num(r.get('train_tokens_per_second'), '.1f')} | "
                      f"{num(r.get('padding_share'), '.1%')} | {num(r.get('peak_rss_gb'), '.2f')} | "
                      + " | ".join(cell(r, c) for c in cells) + f" | {lossless} |")
@@ -252,6 +253,9 @@ def report() -> None:
               "difference to `base`. Train tokens/s: conversation tokens per second of training steps, one thread; "
               "runs that trained at the same time as others on this 2-core machine share its load, so only large "
               "speed differences mean much. speculators' figures at these settings: bench/results/peer_speculators.md."]
+    notes = ROOT / "bench/peer_ablation/notes.md"     # the reading of the runs so far, kept by hand
+    if notes.exists():
+        lines += ["", notes.read_text().rstrip()]
     OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

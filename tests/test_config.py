@@ -37,7 +37,7 @@ def test_the_drafter_section_is_the_kinds_own_config(kind):
 
 @pytest.mark.parametrize("args, kind, owner", [
     (["recipe=eagle_head", "drafter.ttt_steps=3"], "eagle", "eagle3"),
-    (["recipe=eagle3_head", "drafter.feature_noise=0"], "eagle3", "eagle"),
+    (["recipe=eagle3_head", "drafter.harmonized_steps=2"], "eagle3", "eagle"),
     (["recipe=medusa_heads", "drafter.distill_mode=online_whitebox"], "medusa", "small_lm"),
     (["recipe=distill_offline_blackbox", "drafter.medusa_heads=3"], "small_lm", "medusa"),
     (["recipe=eagle_head", "drafter.base=/b"], "eagle", "acceptance"),
