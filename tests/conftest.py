@@ -81,6 +81,14 @@ def tiny_target(tiny_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def tiny_target_4_layers(tiny_tokenizer):
+    """(model, tokenizer): a frozen 4-layer tiny Llama, so EAGLE-3's three aux layers are not all the same."""
+    model = build_tiny_llama(tiny_tokenizer, layers=4)
+    model.requires_grad_(False)
+    return model, tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
 def tiny_target_dir(tiny_target, tmp_path_factory):
     """The tiny target saved as an HF folder (config, safetensors, tokenizer)."""
     model, tok = tiny_target

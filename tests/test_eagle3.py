@@ -16,13 +16,8 @@ from draftlab.drafters import load_drafter
 
 
 @pytest.fixture(scope="module")
-def target(tiny_tokenizer):
-    """A 4-layer tiny Llama, so the three aux layers are not all the same."""
-    from conftest import build_tiny_llama
-
-    model = build_tiny_llama(tiny_tokenizer, layers=4)
-    model.requires_grad_(False)
-    return model, tiny_tokenizer
+def target(tiny_target_4_layers):
+    return tiny_target_4_layers
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,8 @@ from draftlab.train import features_for
 
 
 @pytest.fixture(scope="module")
-def target(tiny_tokenizer):
-    from conftest import build_tiny_llama
-
-    model = build_tiny_llama(tiny_tokenizer, layers=4)
-    model.requires_grad_(False)
-    return model, tiny_tokenizer
+def target(tiny_target_4_layers):
+    return tiny_target_4_layers
 
 
 @pytest.fixture(scope="module")
