@@ -50,25 +50,33 @@ COMMON = ["recipe=eagle3_head", f"target.path={TARGET}", f"data.train={DATA}/tra
           "train.schedule=constant", "train.grad_clip=1.0", "train.num_threads=1", "train.log_every=1",
           "train.keep_last=0", "train.save_every=40", "train.grad_accum=1", "eval.every=0", "seed=0", "tracking=jsonl"]
 
-# run name -> (what it changes, its overrides); every run but `base` changes one thing
+# run name -> (what it changes, its overrides, the run it is compared with). The first runs change one thing
+# against `base`; once packing proved to keep tau (`packed`), the later single options change one thing against
+# `packed`, which trains in two thirds of the time: their overrides include packing.
+PACKING = [f"train.pack_tokens={PACK}"]
 RUNS = {
-    "base": ("draftlab's head as in the side by side: 8 padded conversations a step", []),
+    "base": ("draftlab's head as in the side by side: 8 padded conversations a step", [], None),
     "packed": (f"packed batches: {PACKED_BATCH} rows of at most {PACK} tokens a step, no padding, document-masked",
-               [f"train.pack_tokens={PACK}"]),
-    "norm_before_fc": ("RMSNorm over the concatenated aux states before fc", ["drafter.norm_before_fc=true"]),
-    "norm_before_residual": ("the layer's residual is the normed fused state", ["drafter.norm_before_residual=true"]),
-    "norm_output": ("each step's output normed before the LM head and before it is fed back",
-                    ["drafter.norm_output=true"]),
-    "frozen_lm_head": ("draft LM head frozen at the target's rows", ["drafter.train_lm_head=false"]),
-    "loss_input": ("loss weighted by the mask of the token read, not the token drafted", ["drafter.loss_position=input"]),
-    "all_tokens": ("beyond the peer: the loss also counts prompt tokens (the target's distribution is known there)",
-                   ["drafter.loss_tokens=all"]),
-    "feature_noise": ("beyond the peer: uniform noise of width 0.2 on the fused target states in training",
-                      ["drafter.feature_noise=0.2"]),
+               PACKING, "base"),
+    "frozen_lm_head": ("draft LM head frozen at the target's rows", ["drafter.train_lm_head=false"], "base"),
     "speculators_layout": ("all of speculators' choices at once: the three norms, frozen LM head, its loss rule, "
-                           "packed batches", [f"train.pack_tokens={PACK}", "drafter.norm_before_fc=true",
-                                              "drafter.norm_before_residual=true", "drafter.norm_output=true",
-                                              "drafter.train_lm_head=false", "drafter.loss_position=input"]),
+                           "packed batches", PACKING + ["drafter.norm_before_fc=true", "drafter.norm_before_residual=true",
+                                                        "drafter.norm_output=true", "drafter.train_lm_head=false",
+                                                        "drafter.loss_position=input"], "base"),
+    "packed_seed1": ("`packed` with seed 1 (initialisation and data order): the noise of one seed", PACKING + ["seed=1"],
+                     "packed"),
+    "norm_output": ("each step's output normed before the LM head and before it is fed back",
+                    PACKING + ["drafter.norm_output=true"], "packed"),
+    "norm_before_fc": ("RMSNorm over the concatenated aux states before fc", PACKING + ["drafter.norm_before_fc=true"],
+                       "packed"),
+    "loss_input": ("loss weighted by the mask of the token read, not the token drafted",
+                   PACKING + ["drafter.loss_position=input"], "packed"),
+    "feature_noise": ("beyond the peer: uniform noise of width 0.2 on the fused target states in training",
+                      PACKING + ["drafter.feature_noise=0.2"], "packed"),
+    "norm_before_residual": ("the layer's residual is the normed fused state",
+                             PACKING + ["drafter.norm_before_residual=true"], "packed"),
+    "all_tokens": ("beyond the peer: the loss also counts prompt tokens (the target's distribution is known there)",
+                   PACKING + ["drafter.loss_tokens=all"], "packed"),
 }
 SETS = {"mtbench": (SHARED / "bench/mtbench.jsonl", 20), "heldout": (ROOT / "data_prep/prompts/heldout_train_dist.jsonl", 24)}
 SHAPES = {"chain": {"kind": "chain", "draft_length": 5}, "dynamic": {"kind": "dynamic", "depth": 5, "top_k": 8,
@@ -84,6 +92,7 @@ def steps_for(name: str) -> int:
     """Optimizer steps for 3 epochs: rows // batch per epoch (padded), or the packed rows of each epoch."""
     rows = sum(1 for _ in open(DATA / "train.jsonl"))
     overrides = RUNS[name][1]
+    seed = next((int(o.split("=")[1]) for o in overrides if o.startswith("seed=")), 0)
     if not any(o.startswith("train.pack_tokens") for o in overrides):
         return EPOCHS * (rows // BATCH)
     import torch
@@ -96,7 +105,7 @@ def steps_for(name: str) -> int:
     ds = ChatDataset(read_conversations(str(DATA / "train.jsonl"))[0], tok, MAXLEN)
     total = 0
     for epoch in range(EPOCHS):   # runtime.Batches' permutation of each epoch (seed 0), whole batches only
-        order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0 * 1000 + epoch)).tolist()
+        order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
         total += len(pack(ds.lengths, order, PACK)) // PACKED_BATCH
     return total
 
@@ -121,21 +130,21 @@ def train(name: str, steps: int) -> None:
     (out / "train.done").write_text(time.strftime("%Y-%m-%d %H:%M:%S") + "\n")
 
 
-def evaluate(name: str) -> None:
-    """Score one run on both prompt sets and both shapes (one process: the target loads once)."""
-    todo = [(s, t) for s in SETS for t in SHAPES if not (CACHE / f"{name}_{s}_{t}.json").exists()]
+def evaluate(name: str, shapes: list[str]) -> None:
+    """Score one run on both prompt sets and the given shapes (one process: the target loads once)."""
+    todo = [(s, t) for s in SETS for t in shapes if not (CACHE / f"{name}_{s}_{t}.json").exists()]
     if not todo:
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     log(f"eval {name}: {todo}")
     with open(CACHE / f"{name}.eval.log", "a") as f:
-        code = subprocess.call([sys.executable, __file__, "--score", name], stdout=f, stderr=subprocess.STDOUT,
+        code = subprocess.call([sys.executable, __file__, "--score", name, "--shapes", ",".join(shapes)], stdout=f, stderr=subprocess.STDOUT,
                                env=env, cwd=ROOT)
     if code != 0:
         raise SystemExit(f"evaluating {name} failed (exit {code}): see {CACHE / f'{name}.eval.log'}")
 
 
-def score(name: str) -> None:
+def score(name: str, shapes: list[str]) -> None:
     """(in a child process) tau of run `name` on every prompt set x shape, against cached target-only outputs."""
     import torch
 
@@ -150,7 +159,8 @@ def score(name: str) -> None:
     target, tok = load_target(TARGET, "float32", "cpu")
     drafter = load_drafter(RUNS_DIR / name, target).eval()
     sampling, eos = Sampling(temperature=0.0), eos_ids(tok, target)
-    for shape, spec in SHAPES.items():          # chains of both sets first: the cheaper cells land sooner
+    for shape in shapes:                        # chains of both sets first: the cheaper cells land sooner
+        spec = SHAPES[shape]
         for set_name, (path, num) in SETS.items():
             out = CACHE / f"{name}_{set_name}_{shape}.json"
             if out.exists():
@@ -205,10 +215,10 @@ def training_figures(name: str) -> dict:
 
 def report() -> None:
     rows = []
-    for name, (what, overrides) in RUNS.items():
+    for name, (what, overrides, against) in RUNS.items():
         if not (RUNS_DIR / name / "train.done").exists():
             continue
-        row = {"run": name, "changes": what, "overrides": overrides, **training_figures(name)}
+        row = {"run": name, "changes": what, "overrides": overrides, "against": against, **training_figures(name)}
         for s in SETS:
             for t in SHAPES:
                 f = CACHE / f"{name}_{s}_{t}.json"
@@ -224,14 +234,15 @@ def report() -> None:
                                                                             for k, v in SETS.items()},
            "shapes": SHAPES, "runs": rows}
     OUT.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
-    base = next((r for r in rows if r["run"] == "base"), {})
+    by_name = {r["run"]: r for r in rows}
     cells = [f"tau_{s}_{t}" for s in SETS for t in SHAPES]
 
     def cell(r, k):
         v = r.get(k)
         if v is None:
             return "-"
-        d = f" ({v - base[k]:+.3f})" if base.get(k) is not None and r is not base else ""
+        ref = by_name.get(r["against"] or "", {})
+        d = f" ({v - ref[k]:+.3f})" if ref.get(k) is not None else ""
         return f"{v:.3f}{d}"
 
     def num(v, f):
@@ -240,17 +251,17 @@ def report() -> None:
     lines = ["# Ablation: each remaining difference to speculators' EAGLE-3 head, one run each (`bench/peer_ablation.py`)",
              "", f"Command: `python bench/peer_ablation.py` at {git[:12]}. " + __doc__.split("\n\n")[2].replace("\n", " "),
              "", __doc__.split("\n\n")[3].replace("\n", " "), "",
-             "| run | changes | steps | train tokens/s | padding | peak RSS GB | " + " | ".join(
+             "| run | changes | against | steps | train tokens/s | padding | peak RSS GB | " + " | ".join(
                  c.removeprefix("tau_").replace("_", " ") for c in cells) + " | lossless |",
-             "|---|---|---|---|---|---|" + "---|" * len(cells) + "---|"]
+             "|---|---|---|---|---|---|---|" + "---|" * len(cells) + "---|"]
     for r in rows:
         checks = [v for k, v in r.items() if k.startswith("lossless_")]
         lossless = all(checks) if checks else "-"
-        lines.append(f"| {r['run']} | {r['changes']} | {r['steps']} | {num(r.get('train_tokens_per_second'), '.1f')} | "
+        lines.append(f"| {r['run']} | {r['changes']} | {r['against'] or '-'} | {r['steps']} | {num(r.get('train_tokens_per_second'), '.1f')} | "
                      f"{num(r.get('padding_share'), '.1%')} | {num(r.get('peak_rss_gb'), '.2f')} | "
                      + " | ".join(cell(r, c) for c in cells) + f" | {lossless} |")
     lines += ["", "tau: acceptance length (new tokens per target forward, bonus token included); in brackets the "
-              "difference to `base`. Train tokens/s: conversation tokens per second of training steps, one thread; "
+              "difference to the run in `against` (the run it changes one thing of). Train tokens/s: conversation tokens per second of training steps, one thread; "
               "runs that trained at the same time as others on this 2-core machine share its load, so only large "
               "speed differences mean much. speculators' figures at these settings: bench/results/peer_speculators.md."]
     notes = ROOT / "bench/peer_ablation/notes.md"     # the reading of the runs so far, kept by hand
@@ -265,10 +276,14 @@ def main() -> None:
     ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated names of RUNS")
     ap.add_argument("--stages", default="data,train,eval,report")
     ap.add_argument("--jobs", type=int, default=2, help="runs trained / scored at the same time")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="draft shapes to score, of " + ", ".join(SHAPES))
     ap.add_argument("--score", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    shapes = [t for t in args.shapes.split(",") if t]
+    if not shapes or any(t not in SHAPES for t in shapes):
+        raise SystemExit(f"--shapes {args.shapes!r}: choose from {', '.join(SHAPES)}")
     if args.score:
-        return score(args.score)
+        return score(args.score, shapes)
     names = [n for n in args.runs.split(",") if n]
     unknown = [n for n in names if n not in RUNS]
     if unknown:
@@ -289,7 +304,7 @@ def main() -> None:
             if "train" in stages:
                 train(name, steps[name])
             if "eval" in stages and (RUNS_DIR / name / "train.done").exists():
-                evaluate(name)
+                evaluate(name, shapes)
         except (Exception, SystemExit) as e:   # the other runs go on; the failure is reported at the end
             log(f"{name} failed: {e}")
             return f"{name}: {e}"
