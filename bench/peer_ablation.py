@@ -73,6 +73,8 @@ RUNS = {
                    PACKING + ["drafter.loss_position=input"], "packed"),
     "feature_noise": ("beyond the peer: uniform noise of width 0.2 on the fused target states in training",
                       PACKING + ["drafter.feature_noise=0.2"], "packed"),
+    "init_from_target": ("beyond the peer: the head's decoder layer starts from the target's last decoder layer",
+                         PACKING + ["drafter.init_from_target=true"], "packed"),
     "norm_before_residual": ("the layer's residual is the normed fused state",
                              PACKING + ["drafter.norm_before_residual=true"], "packed"),
     "all_tokens": ("beyond the peer: the loss also counts prompt tokens (the target's distribution is known there)",

@@ -191,6 +191,8 @@ def test_store_lays_packed_rows_out_like_the_online_features(six, rows, target, 
     ("eagle3_head", ["drafter.ttt_steps=2", "drafter.draft_vocab_size=-1", "drafter.norm_before_fc=true",
                      "drafter.norm_before_residual=true", "drafter.norm_output=true", "drafter.train_lm_head=false",
                      "drafter.loss_position=input"]),
+    ("eagle3_head", ["drafter.ttt_steps=2", "drafter.draft_vocab_size=-1", "drafter.loss_tokens=all",
+                     "drafter.feature_noise=0.2", "drafter.init_from_target=true"]),
     ("eagle_head", ["drafter.harmonized_steps=2"]),
 ])
 def test_packed_run_trains_saves_loads_and_stays_lossless(recipe, extra, tiny_target_dir, tiny_chat_file,
