@@ -109,7 +109,7 @@ if has train; then
         train.max_steps="$STEPS" train.batch_size="$BATCH" train.grad_accum=1 train.lr="$LR" train.weight_decay=0.01 \
         train.adam_beta1=0.9 train.adam_beta2=0.999 train.warmup_steps=0 train.schedule=constant train.grad_clip=1.0 \
         train.num_threads=1 train.log_every=1 train.keep_last=0 eval.every=0 seed=0 tracking=jsonl \
-        out_dir="$DL_OUT" > "$DL_OUT.train.log" 2>&1 && touch "$DL_OUT/train.done" ) & pids+=($!)
+        train.pack_tokens=0 out_dir="$DL_OUT" > "$DL_OUT.train.log" 2>&1 && touch "$DL_OUT/train.done" ) & pids+=($!)
   fi
   log "training: ${#pids[@]} job(s) at the same time ($STEPS draftlab steps of $BATCH; speculators packs $PACK tokens)"
   status=0
