@@ -4,6 +4,8 @@
     draftlab eval --checkpoint DIR --prompts FILE --out REPORT.json [options]
     draftlab eval --proposer prompt_lookup --target PATH --prompts FILE --out REPORT.json
     draftlab disco --rounds LOG.jsonl --out DIR     train DISCO's stop classifier (then eval --draft-length disco)
+    draftlab serve-learn --checkpoint DIR --rounds LOG.jsonl --heldout FILE --out DIR [--follow]
+                                                     update the drafter online from a round log, gated on tau
     draftlab recipes                                 list the recipes
     draftlab recipes --show NAME [key=value ...]     print a recipe's resolved config
 """
@@ -378,7 +380,11 @@ def main(argv: list[str] | None = None) -> int:
         from draftlab.disco import cmd_disco
 
         return run_guarded(lambda: cmd_disco(rest))
-    print(f"draftlab: error: unknown command '{command}': use train, eval, push, recipes or disco\n\n{usage}", file=sys.stderr)
+    if command == "serve-learn":
+        from draftlab.online import cmd_serve_learn
+
+        return run_guarded(lambda: cmd_serve_learn(rest))
+    print(f"draftlab: error: unknown command '{command}': use train, eval, push, recipes, disco or serve-learn\n\n{usage}", file=sys.stderr)
     return 2
 
 

@@ -203,24 +203,25 @@ def _check(row: dict) -> str | None:
     return None
 
 
+def parse_row(line: str, path, number: int) -> Round:
+    """One line of a round log -> Round; a bad line is a DataError naming the file and line number."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"round log {path} line {number}: not JSON ({e.msg})") from None
+    problem = _check(row)
+    if problem:
+        raise DataError(f"round log {path} line {number}: {problem}")
+    return Round(**row)
+
+
 def read_rounds(path: str | Path) -> list[Round]:
     """Every row of a round log; a missing or empty file, or a bad row, is a DataError naming the file and line."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"round log {path} not found: write one with draftlab eval --log-rounds {path}")
-    rows = []
     with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"round log {path} line {number}: not JSON ({e.msg})") from None
-            problem = _check(row)
-            if problem:
-                raise DataError(f"round log {path} line {number}: {problem}")
-            rows.append(Round(**row))
+        rows = [parse_row(line, path, number) for number, line in enumerate(f, 1) if line.strip()]
     if not rows:
         raise DataError(f"round log {path} is empty: write one with draftlab eval --log-rounds {path}")
     return rows
