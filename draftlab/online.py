@@ -193,7 +193,9 @@ class OnlineConfig:
     replay_share: float = 0.5
     """Share of each batch drawn from the replay buffer (when it holds any)."""
     clip: float = 1.0
+    """Gradient norm clipping."""
     seed: int = 0
+    """Seed of the batch draws."""
 
 
 class OnlineLearner:

@@ -85,18 +85,19 @@ def prompt_hash(ids: list[int]) -> str:
 
 
 class RoundLog:
-    """Writes the round log of one evaluation to `path` (replaced if it exists). `topk`: target top-k per position.
+    """Writes the round log of one evaluation to `path` (replaced if it exists; appended to with append=True).
+    `topk`: target top-k per position.
 
     `for_prompt(i, prompt_ids)` gives the logger `speculative_generate` calls once per round; it also asks the
     proposer to record draft statistics while that prompt decodes (`drafting.STATS_FLAG`), and only then.
     """
 
-    def __init__(self, path: str | Path, topk: int = DEFAULT_TOPK):
+    def __init__(self, path: str | Path, topk: int = DEFAULT_TOPK, append: bool = False):
         if topk < 1:
             raise DataError(f"round log top-k {topk}: give at least 1")
         self.path, self.topk, self.rows = Path(path), topk, 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.path, "w")
+        self.file = open(self.path, "a" if append else "w")
 
     def for_prompt(self, index: int, prompt_ids: Tensor) -> "PromptLog":
         return PromptLog(self, index, prompt_ids.reshape(-1).tolist())

@@ -17,7 +17,6 @@ from draftlab.rounds import RoundLog, read_rounds
 from draftlab.trees import TreeSpec
 from draftlab.verify import Sampling
 
-from conftest import build_tiny_llama
 
 # draft[k], verify[n] in ms: a CPU (verification grows with n), a GPU (flat, then a step), and an uneven table
 COST_TABLES = {
@@ -89,21 +88,8 @@ def test_save_and_load_give_the_same_predictions(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny_target):
-    _, tok = tiny_target
-    return [torch.tensor(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
-                         ["input_ids"]) for t in ["The quick brown fox", "def add(a, b):", "Numbers: 0 1 2 3 4"]]
-
-
-@pytest.fixture(scope="module")
-def noisy_copy(tiny_target):
-    model, tok = tiny_target
-    draft = build_tiny_llama(tok)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.006 * torch.randn(p.shape, generator=g))
-    return draft.requires_grad_(False)
+def prompts(tiny_chat_prompts):
+    return tiny_chat_prompts
 
 
 @pytest.fixture(scope="module")

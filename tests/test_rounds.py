@@ -16,30 +16,10 @@ from draftlab.rounds import FORMAT_VERSION, RoundLog, read_rounds, sequences
 from draftlab.trees import TreeSpec
 from draftlab.verify import Sampling
 
-from conftest import build_tiny_llama
-
-
-def chat_prompt(tok, text):
-    return torch.tensor(tok.apply_chat_template([{"role": "user", "content": text}],
-                                                add_generation_prompt=True)["input_ids"])
-
 
 @pytest.fixture(scope="module")
-def prompts(tiny_target):
-    _, tok = tiny_target
-    return [chat_prompt(tok, t) for t in ["The quick brown fox", "def add(a, b):", "Numbers: 0 1 2 3 4"]]
-
-
-@pytest.fixture(scope="module")
-def noisy_copy(tiny_target):
-    """A drafter that is the target plus noise: it agrees with the target often, not always."""
-    model, tok = tiny_target
-    draft = build_tiny_llama(tok)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(0.006 * torch.randn(p.shape, generator=g))
-    return draft.requires_grad_(False)
+def prompts(tiny_chat_prompts):
+    return tiny_chat_prompts
 
 
 @pytest.mark.parametrize("spec", [TreeSpec("chain", draft_length=4), TreeSpec("dynamic", depth=3, top_k=2,
