@@ -3,6 +3,9 @@
     draftlab train recipe=NAME key=value ...        train (same arguments as draftlab/train.py)
     draftlab eval --checkpoint DIR --prompts FILE --out REPORT.json [options]
     draftlab eval --proposer prompt_lookup --target PATH --prompts FILE --out REPORT.json
+    draftlab disco --rounds LOG.jsonl --out DIR     train DISCO's stop classifier (then eval --draft-length disco)
+    draftlab serve-learn --checkpoint DIR --rounds LOG.jsonl --heldout FILE --out DIR [--follow]
+                                                     update the drafter online from a round log, gated on tau
     draftlab recipes                                 list the recipes
     draftlab recipes --show NAME [key=value ...]     print a recipe's resolved config
 """
@@ -27,7 +30,10 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-length", default="5",
                    help="chain draft length k (default 5), or auto: measure the draft and verification costs on this "
                         "machine and the drafter's acceptance on calibration prompts, and take the k with the most "
-                        "expected tokens/s (up to --max-draft-length)")
+                        "expected tokens/s (up to --max-draft-length), or disco: the same costs, and a stop classifier "
+                        "(--disco DIR) ends each chain when one more token no longer pays (up to --max-draft-length)")
+    p.add_argument("--disco", metavar="DIR", default=None,
+                   help="with --draft-length disco: the stop classifier trained by draftlab disco --rounds LOG")
     p.add_argument("--tree", choices=["chain", "static", "dynamic", "auto"], default="chain",
                    help="draft shape; auto: the best of the auto chain and dynamic trees of 4..48 nodes, chosen "
                         "like --draft-length auto")
@@ -62,6 +68,11 @@ def eval_parser() -> argparse.ArgumentParser:
     p.add_argument("--fixed-k", default="",
                    help="acceptance heads: comma-separated k, e.g. 2,4,6: also run fixed-k chains, reported beside "
                         "the adaptive run under fixed_k")
+    p.add_argument("--log-rounds", metavar="FILE", default=None,
+                   help="write one JSON line per speculative round (draft tokens and their probabilities, the accepted "
+                        "path, the bonus token, the target's top-k at each verified position; format: README, "
+                        "draftlab/rounds.py); the file is replaced")
+    p.add_argument("--log-topk", type=int, default=8, help="target top-k per verified position in --log-rounds")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     return p
@@ -74,14 +85,16 @@ def check_eval_args(args) -> None:
     ranges = {"lookup_first": "[0, inf)", "draft_length": "[1, inf)", "max_draft_length": "[1, inf)",
               "repeats": "[1, inf)", "max_new_tokens": "[1, inf)", "depth": "[1, inf)", "top_k": "[1, inf)",
               "total_tokens": "[1, inf)", "temperature": "[0, inf)", "top_p": "(0, 1]", "sampling_top_k": "[0, inf)",
-              "num_prompts": "[1, inf)", "seed": SEEDS, "adaptive_threshold": "[0, 1]", "min_draft": "[1, inf)"}
+              "num_prompts": "[1, inf)", "seed": SEEDS, "adaptive_threshold": "[0, 1]", "min_draft": "[1, inf)",
+              "log_topk": "[1, inf)"}
     for name, interval in ranges.items():
         value = getattr(args, name)  # None: not given; "auto": chosen later
-        problem = None if value in (None, "auto") else range_problem(f"--{name.replace('_', '-')}", value, interval)
+        problem = None if value in (None, "auto", "disco") else range_problem(f"--{name.replace('_', '-')}", value,
+                                                                               interval)
         if problem:
             raise ConfigError(problem)
     longest = {"chain": "draft_length", "dynamic": "depth"}.get(args.tree)
-    if longest == "draft_length" and args.draft_length == "auto":
+    if longest == "draft_length" and args.draft_length in ("auto", "disco"):
         longest = "max_draft_length"
     for name, value in ([(longest, getattr(args, longest))] if longest else []) + [
             ("fixed_k", k) for k in parse_lengths(args.fixed_k)]:
@@ -124,12 +137,24 @@ def cmd_eval(argv: list[str]) -> None:
     if auto_threshold and (auto or args.tree != "chain"):
         raise ConfigError("--adaptive-threshold auto chooses the chain's length too: drop --draft-length auto / "
                           "--tree (it drafts chains of up to --max-draft-length)")
-    if args.draft_length != "auto":
+    use_disco = args.draft_length == "disco"
+    if args.draft_length not in ("auto", "disco"):
         if not args.draft_length.isdigit():
-            raise ConfigError(f"--draft-length {args.draft_length!r}: give a whole number of at least 1, or auto")
+            raise ConfigError(f"--draft-length {args.draft_length!r}: give a whole number of at least 1, auto or disco")
         args.draft_length = int(args.draft_length)
+    if use_disco != bool(args.disco):
+        raise ConfigError("--draft-length disco needs --disco DIR (a classifier from draftlab disco --rounds LOG)"
+                          if use_disco else "--disco DIR goes with --draft-length disco")
+    if use_disco and (args.tree != "chain" or args.adaptive_threshold is not None or args.fixed_k
+                      or args.lookup_first or not args.checkpoint):
+        raise ConfigError("--draft-length disco stops a checkpoint's chains: drop --tree, --adaptive-threshold, "
+                          "--fixed-k, --lookup-first and --proposer")
     check_eval_args(args)
     fixed_lengths = parse_lengths(args.fixed_k)
+    if args.log_rounds and args.fixed_k:
+        raise ConfigError("--log-rounds logs one drafting rule: drop --fixed-k (or log each fixed k in its own run)")
+    if args.log_rounds and Path(args.log_rounds).resolve() == Path(args.out).resolve():
+        raise ConfigError(f"--log-rounds {args.log_rounds} is the report file --out: give the log its own file")
     from draftlab.foreign import find_foreign
 
     foreign = find_foreign(args.checkpoint) if args.checkpoint else None     # a drafter trained elsewhere
@@ -149,6 +174,10 @@ def cmd_eval(argv: list[str]) -> None:
             raise ConfigError("--adaptive-threshold, --min-draft and --fixed-k need an acceptance-head checkpoint "
                               f"(drafter kind 'acceptance'); {args.checkpoint or '--proposer prompt_lookup'} is a "
                               f"'{kind}' drafter")
+    if use_disco:
+        from draftlab import disco
+
+        classifier = disco.load_classifier(args.disco)         # a missing or foreign classifier fails before loading
     prompts = load_prompts(args.prompts, limit=args.num_prompts)  # bad prompt files fail before the model loads
     target_path = args.target or (foreign.target if foreign else checkpoint_target(folder) if folder else None)
     target, tokenizer = load_target(target_path, args.dtype, args.device)
@@ -187,6 +216,11 @@ def cmd_eval(argv: list[str]) -> None:
     elif auto:
         shape = choose_shape(args, target, tokenizer, proposer, prompt_ids, sampling, eos)
         spec = TreeSpec(**shape["chosen_tree"])
+    elif use_disco:
+        shape = choose_shape(args, target, tokenizer, proposer, prompt_ids, sampling, eos)
+        costs = disco.RoundCosts(shape["draft_cost"], shape["verify_cost"], shape["round_overhead"])
+        proposer = disco.wrap(proposer, classifier, costs, args.max_draft_length, label=args.disco)
+        spec = TreeSpec(kind="chain", draft_length=args.max_draft_length)
     else:
         spec = TreeSpec(kind=args.tree, draft_length=args.draft_length, depth=args.depth, top_k=args.top_k,
                         total_tokens=args.total_tokens)
@@ -200,11 +234,24 @@ def cmd_eval(argv: list[str]) -> None:
                                    fixed_lengths=fixed_lengths, categories=categories,
                                    seed=args.seed, repeats=args.repeats, **adaptive)
     else:
-        report = evaluate(target, proposer, prompt_ids, spec=spec, sampling=sampling,
-                          max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
-                          categories=categories, seed=args.seed, repeats=args.repeats)
+        from draftlab.rounds import RoundLog
+
+        log = RoundLog(args.log_rounds, args.log_topk) if args.log_rounds else None
+        try:
+            report = evaluate(target, proposer, prompt_ids, spec=spec, sampling=sampling,
+                              max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
+                              categories=categories, seed=args.seed, repeats=args.repeats, log_rounds=log)
+        finally:
+            if log is not None:
+                log.close()
+        if log is not None:
+            report["round_log"] = {"path": args.log_rounds, "rows": log.rows, "target_topk": args.log_topk}
     report["drafter"] = label
-    if shape is not None:
+    if shape is not None and use_disco:
+        report["draft_shape"] = {**shape, "used_for": "DISCO's round costs (chosen_draft_length: auto's choice)"}
+        report["disco"] = {"classifier": args.disco, **{k: v for k, v in classifier.info.items()
+                                                       if k in ("rounds", "examples", "positive_rate", "val_loss")}}
+    elif shape is not None:
         report["draft_shape"] = shape
         report["chosen_draft_length"] = shape["chosen_draft_length"]
         if auto_threshold:
@@ -329,7 +376,15 @@ def main(argv: list[str] | None = None) -> int:
         return run_guarded(lambda: cmd_push(rest))
     if command == "recipes":
         return run_guarded(lambda: cmd_recipes(rest))
-    print(f"draftlab: error: unknown command '{command}': use train, eval, push or recipes\n\n{usage}", file=sys.stderr)
+    if command == "disco":
+        from draftlab.disco import cmd_disco
+
+        return run_guarded(lambda: cmd_disco(rest))
+    if command == "serve-learn":
+        from draftlab.online import cmd_serve_learn
+
+        return run_guarded(lambda: cmd_serve_learn(rest))
+    print(f"draftlab: error: unknown command '{command}': use train, eval, push, recipes, disco or serve-learn\n\n{usage}", file=sys.stderr)
     return 2
 
 

@@ -18,6 +18,10 @@ and `max_depth` (None, or the deepest level it can draft: Medusa has one head pe
 - dynamic (EAGLE-2): each level expands the top_k best nodes of the level above, top_k children each; a node's
   score is the cumulative draft log-probability of its path, and the total_tokens best nodes are kept, which is
   a subtree because a score never grows along a path. Deterministic ("topk") under sampling too.
+
+A proposer with the attribute `record_draft_stats = True` (STATS_FLAG; the evaluator sets it while it logs rounds)
+also gets, for every node, `draft_stats` of the distribution the node was drafted from (top-1 and top-2
+probability, entropy, at temperature 1) in `DraftTree.draft_stats`; off, nothing extra is computed.
 """
 from __future__ import annotations
 
@@ -28,25 +32,45 @@ from torch import Tensor
 from draftlab.trees import DraftTree, TreeSpec, node_depths, static_tree_layout
 from draftlab.verify import Sampling
 
+STATS_FLAG = "record_draft_stats"
+STATS_NAMES = ("top1", "top2", "entropy")
+
+
+def draft_stats(logits: Tensor) -> Tensor:
+    """Draft logits [..., Vd] -> [..., 3]: top-1 probability, top-2 probability and entropy (nats) of the drafter's
+    distribution at temperature 1 (what the round log records and DISCO's classifier reads)."""
+    logp = F.log_softmax(logits.float(), -1)
+    p = logp.exp()
+    top = p.topk(min(2, p.shape[-1]), dim=-1).values
+    if top.shape[-1] < 2:
+        top = torch.cat([top, torch.zeros_like(top)], -1)
+    entropy = -(p * logp).nan_to_num().sum(-1, keepdim=True)     # 0 * -inf (masked words) counts 0
+    return torch.cat([top, entropy], -1)
+
 
 class Nodes:
     """The draft nodes made so far in one proposal: token (target id), parent (-1 = root) and depth of each."""
 
-    def __init__(self):
+    def __init__(self, record_stats: bool = False):
         self.tokens: list[int] = []
         self.parents: list[int] = []
         self.depths: list[int] = []
         self.q: list[Tensor] = []
+        self.record_stats = record_stats
+        self.stats: list[Tensor] = []
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, token: int, parent: int, q: Tensor | None = None) -> int:
+    def add(self, token: int, parent: int, q: Tensor | None = None, stats: Tensor | None = None) -> int:
+        """stats: draft_stats [3] of the distribution the token was drafted from (kept when recording)."""
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
         if q is not None:
             self.q.append(q)
+        if self.record_stats and stats is not None:
+            self.stats.append(stats)
         return len(self.tokens) - 1
 
     def path(self, node: int) -> list[int]:
@@ -73,9 +97,10 @@ class Nodes:
     def tree(self, device, proposal: str = "topk") -> DraftTree:
         tokens = torch.tensor(self.tokens, dtype=torch.long, device=device)
         parents = torch.tensor(self.parents, dtype=torch.long, device=device)
+        stats = torch.stack(self.stats) if self.stats and len(self.stats) == len(self.tokens) else None
         if self.q and len(self.q) == len(self.tokens):
-            return DraftTree(tokens, parents, torch.stack(self.q), proposal)
-        return DraftTree(tokens, parents)
+            return DraftTree(tokens, parents, torch.stack(self.q), proposal, draft_stats=stats)
+        return DraftTree(tokens, parents, draft_stats=stats)
 
 
 def propose(steps, spec: TreeSpec, sampling: Sampling, generator: torch.Generator | None = None,
@@ -97,18 +122,19 @@ def _deepest(steps, depth: int) -> int:
 
 def chain(steps, length: int, sampling: Sampling, generator: torch.Generator | None = None, stop=None) -> DraftTree:
     """Up to `length` tokens drafted one after another; stop(i) may end the chain at i tokens (i >= 1)."""
-    nodes = Nodes()
+    nodes = Nodes(getattr(steps, STATS_FLAG, False))
     logits = steps.root()
     for i in range(_deepest(steps, length)):
         if i > 0:
             logits = steps.step([i - 1], nodes)[0]
             if stop is not None and stop(i):
                 break
+        stats = draft_stats(logits) if nodes.record_stats else None
         if sampling.greedy:
-            nodes.add(int(steps.to_target(logits.argmax())), i - 1)
+            nodes.add(int(steps.to_target(logits.argmax())), i - 1, stats=stats)
         else:
             q = sampling.probs(steps.expand(logits))
-            nodes.add(int(torch.multinomial(q, 1, generator=generator)[0]), i - 1, q)
+            nodes.add(int(torch.multinomial(q, 1, generator=generator)[0]), i - 1, q, stats)
     return nodes.tree(logits.device, "with_replacement")
 
 
@@ -129,7 +155,7 @@ def static(steps, choices: list[list[int]], sampling: Sampling, generator: torch
     layout_parents, ranks = static_tree_layout(choices)
     depths = node_depths(layout_parents).tolist()
     layout_parents, ranks = layout_parents.tolist(), ranks.tolist()
-    nodes = Nodes()
+    nodes = Nodes(getattr(steps, STATS_FLAG, False))
     made: dict[int, int] = {}                         # layout index -> node index (absent: left out)
     root = steps.root()
     logits_after = {-1: root}                         # node index -> its draft logits
@@ -145,35 +171,41 @@ def static(steps, choices: list[list[int]], sampling: Sampling, generator: torch
             by_parent.setdefault(made[layout_parents[i]] if layout_parents[i] >= 0 else -1, []).append(i)
         for parent, kids in by_parent.items():
             drawn, q = _children(steps, logits_after[parent], max(ranks[i] for i in kids) + 1, sampling, generator)
+            stats = draft_stats(logits_after[parent]) if nodes.record_stats else None
             for i in kids:
                 if ranks[i] < len(drawn):
-                    made[i] = nodes.add(drawn[ranks[i]], parent, q)
+                    made[i] = nodes.add(drawn[ranks[i]], parent, q, stats)
     return nodes.tree(root.device, "without_replacement")
 
 
 def dynamic(steps, depth: int, top_k: int, total_tokens: int) -> DraftTree:
     """EAGLE-2: expand the top_k best nodes per level (top_k children each), keep the total_tokens best."""
-    nodes = Nodes()
+    nodes = Nodes(getattr(steps, STATS_FLAG, False))
     root = steps.root().float()
     device = root.device
     k = min(top_k, root.shape[-1])
     first = F.log_softmax(root, -1).topk(k)
-    frontier = [nodes.add(int(t), -1) for t in steps.to_target(first.indices).tolist()]
+    root_stats = draft_stats(root) if nodes.record_stats else None
+    frontier = [nodes.add(int(t), -1, stats=root_stats) for t in steps.to_target(first.indices).tolist()]
     scores, all_scores = first.values, [first.values]
     for _ in range(1, _deepest(steps, depth)):
-        child = F.log_softmax(steps.step(frontier, nodes).float(), -1).topk(k)          # [k, k]
+        logits = steps.step(frontier, nodes).float()
+        child = F.log_softmax(logits, -1).topk(k)                                           # [k, k]
+        stats = draft_stats(logits) if nodes.record_stats else None                         # [k, 3]
         # clamp: a log-prob is never positive, so a child never outscores its parent
         cumulative = (scores[:, None] + child.values.clamp(max=0)).flatten()
         tokens = steps.to_target(child.indices).flatten().tolist()
-        made = [nodes.add(t, frontier[i // k]) for i, t in enumerate(tokens)]
+        made = [nodes.add(t, frontier[i // k], stats=stats[i // k] if stats is not None else None)
+                for i, t in enumerate(tokens)]
         all_scores.append(cumulative)
         best = cumulative.topk(min(k, len(cumulative))).indices
         frontier, scores = [made[i] for i in best.tolist()], cumulative[best]
     # Stable sort: on ties a parent (made earlier) ranks before its child, so the kept set is closed.
     keep = torch.sort(torch.cat(all_scores), descending=True, stable=True).indices[:total_tokens].sort().values
-    kept = Nodes()
+    kept = Nodes(nodes.record_stats)
     new_index = {}
     for old in keep.tolist():
         parent = nodes.parents[old]
-        new_index[old] = kept.add(nodes.tokens[old], new_index[parent] if parent >= 0 else -1)
+        new_index[old] = kept.add(nodes.tokens[old], new_index[parent] if parent >= 0 else -1,
+                                  stats=nodes.stats[old] if nodes.stats else None)
     return kept.tree(device)

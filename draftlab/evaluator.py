@@ -114,9 +114,10 @@ def _features(out, layers: tuple[int, ...]) -> Tensor | None:
 
 @torch.inference_mode()
 def speculative_generate(target, proposer, prompt_ids: Tensor, spec: TreeSpec, sampling: Sampling,
-                         max_new_tokens: int, eos_token_ids=None,
-                         generator: torch.Generator | None = None) -> GenerationResult:
-    """Decode one prompt (prompt_ids [P]) speculatively; the result holds the tokens and per-round counts."""
+                         max_new_tokens: int, eos_token_ids=None, generator: torch.Generator | None = None,
+                         log=None) -> GenerationResult:
+    """Decode one prompt (prompt_ids [P]) speculatively; the result holds the tokens and per-round counts.
+    log: a `rounds.PromptLog` that receives every round (None, the default, does no extra work)."""
     device = target.device
     layers = tuple(proposer.feature_layers)
     eos = _eos_set(eos_token_ids)
@@ -132,6 +133,8 @@ def speculative_generate(target, proposer, prompt_ids: Tensor, spec: TreeSpec, s
     _sync(device)
     result = GenerationResult(tokens=[], seconds=0.0, prefill_seconds=time.perf_counter() - start)
     done = max_new_tokens <= 0 or _append(result.tokens, root.tolist(), eos, max_new_tokens)
+    if log is not None:
+        log.begin(proposer)
 
     while not done:
         tree = proposer.propose(spec, sampling, generator)
@@ -154,12 +157,17 @@ def speculative_generate(target, proposer, prompt_ids: Tensor, spec: TreeSpec, s
         feats = _features(out, layers)
         proposer.commit(torch.tensor(new, device=device), feats[keep] if feats is not None else None)
 
+        if log is not None:
+            log.round(len(prompt) + len(result.tokens), int(ids[0, 0]), tree, verdict.path, verdict.bonus,
+                      out.logits[0], sampling)
         _record_predictions(result, proposer, tree, verdict.path)
         result.accepted.append(len(verdict.path))
         result.draft_nodes.append(len(tree))
         result.draft_depth.append(tree.max_depth)
         done = _append(result.tokens, new, eos, max_new_tokens)
 
+    if log is not None:
+        log.end(proposer)
     _sync(device)
     result.seconds = time.perf_counter() - start
     return result
@@ -240,14 +248,15 @@ def load_average() -> float | None:
 
 def interleaved_side_by_side(target, drafts: dict, prompts: list[Tensor], *, sampling: Sampling, max_new_tokens: int,
                              eos_token_ids=None, seed: int = 0, repeats: int = 1, progress: bool = True,
-                             warmup: bool = True) -> tuple[dict, list, dict]:
+                             warmup: bool = True, log_rounds: dict | None = None) -> tuple[dict, list, dict]:
     """Target-only decoding and every drafter (drafts = {label: (proposer, TreeSpec)}), timed alternately prompt by
     prompt, `repeats` times each, the order rotating each repeat (neither side always runs second on warm caches),
     so every speedup is against the same target-only runs under the same load. Every side is deterministic given
     the per-prompt seed, so every repeat decodes the same tokens and only the clock differs.
     Returns ({label: first-repeat results}, first-repeat target-only results, {label: timing}) where timing =
     {tokens_per_second, baseline_tokens_per_second, speedup: the medians over repeats, speedup_min, speedup_max,
-    speedups (per repeat), timing_repeats, timing: "interleaved", load_average: [before, after]}."""
+    speedups (per repeat), timing_repeats, timing: "interleaved", load_average: [before, after]}.
+    log_rounds: {label: rounds.RoundLog}: those drafters' rounds of the first repeat are written to their log."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: time at least one repeat (or pass a baseline and repeats=0)")
     device = target.device
@@ -271,8 +280,10 @@ def interleaved_side_by_side(target, drafts: dict, prompts: list[Tensor], *, sam
                                           prompt_generator(device, seed, i))
                 else:
                     proposer, spec = drafts[key]
+                    log = (log_rounds or {}).get(key)
                     out = speculative_generate(target, proposer, p, spec, sampling, max_new_tokens, eos_token_ids,
-                                               prompt_generator(device, seed, i))
+                                               prompt_generator(device, seed, i),
+                                               log.for_prompt(i, p) if log is not None and r == 0 else None)
                 runs[key][r][i] = out
             bar.update(1)
     bar.close()
@@ -321,7 +332,8 @@ def evaluate_side_by_side(target, drafts: dict, prompts: list[Tensor], *, sampli
 
 def evaluate(target, proposer, prompts: list[Tensor], *, spec: TreeSpec, sampling: Sampling, max_new_tokens: int,
              eos_token_ids=None, baseline: dict | None = None, categories: list[str] | None = None,
-             seed: int = 0, progress: bool = True, warmup: bool = True, repeats: int = 1) -> dict:
+             seed: int = 0, progress: bool = True, warmup: bool = True, repeats: int = 1,
+             log_rounds=None) -> dict:
     """Speculate on every prompt ([P_i] each) and return the report dict (see report.build_report).
 
     repeats >= 1 (default): target-only and speculative decoding are timed interleaved, prompt by prompt,
@@ -330,13 +342,15 @@ def evaluate(target, proposer, prompts: list[Tensor], *, spec: TreeSpec, samplin
     `run_baseline`, same prompts / sampling / max_new_tokens), which the report marks as reused: the in-loop
     evaluations of a training run do this to save the target-only runs.
     Greedy outputs are compared token by token with the target-only outputs (`lossless`).
+    log_rounds: a `rounds.RoundLog` that receives every round of the (first repeat's) speculative decoding.
     """
     wall = time.perf_counter()
     device = target.device
     if repeats >= 1:
         results, base_results, timing = interleaved_side_by_side(
             target, {"": (proposer, spec)}, prompts, sampling=sampling, max_new_tokens=max_new_tokens,
-            eos_token_ids=eos_token_ids, seed=seed, repeats=repeats, progress=progress, warmup=warmup)
+            eos_token_ids=eos_token_ids, seed=seed, repeats=repeats, progress=progress, warmup=warmup,
+            log_rounds={"": log_rounds} if log_rounds is not None else None)
         results, timing = results[""], timing[""]
         outputs = [r.tokens for r in base_results]
         if baseline is not None:   # given reference outputs too: an output must match both to count as lossless
@@ -352,7 +366,8 @@ def evaluate(target, proposer, prompts: list[Tensor], *, spec: TreeSpec, samplin
             speculative_generate(target, proposer, prompts[0], spec, sampling, min(4, max_new_tokens),
                                  eos_token_ids, prompt_generator(device, seed, 0))
         results = [speculative_generate(target, proposer, p, spec, sampling, max_new_tokens, eos_token_ids,
-                                        prompt_generator(device, seed, i))
+                                        prompt_generator(device, seed, i),
+                                        log_rounds.for_prompt(i, p) if log_rounds is not None else None)
                    for i, p in enumerate(tqdm(prompts, desc="speculating", disable=not progress, leave=False))]
         timing = {"timing": "baseline reused", "timing_repeats": 0, "load_average": [load_before, load_average()]}
     report = build_report(results, baseline, spec=spec, sampling=sampling, categories=categories,

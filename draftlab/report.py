@@ -189,8 +189,9 @@ def report_markdown(report: dict) -> str:
         ("prompts", fmt(report["num_prompts"])),
     ]
     if report.get("adaptive"):
-        rows.insert(3, ("adaptive stopping", f"1 - prod(p_hat) > {report['adaptive']['threshold']:g}, "
-                                             f"min {report['adaptive']['min_draft']}"))
+        rule = report["adaptive"].get("description") or (f"1 - prod(p_hat) > {report['adaptive']['threshold']:g}, "
+                                                         f"min {report['adaptive']['min_draft']}")
+        rows.insert(3, ("adaptive stopping", rule))
     if report.get("calibration"):
         rows.append(("calibration ECE", f"{report['calibration']['ece']:.3f} "
                                         f"({report['calibration']['num_tokens']} judged draft tokens)"))

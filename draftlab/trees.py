@@ -72,12 +72,16 @@ class DraftTree:
     its parent), needed for stochastic verification of sampled proposals; None for deterministic ones.
     proposal: "topk" (deterministic: greedy / top-k children), "with_replacement" (children drawn i.i.d.
     from q), "without_replacement" (children drawn one after another with earlier siblings excluded).
+    draft_stats [N, 3] or None: (top-1 probability, top-2 probability, entropy in nats) of the drafter's own
+    temperature-1 distribution that node i was drafted from, filled in only when the proposer was asked to record
+    them (`drafting.STATS_FLAG`): the round log and DISCO's stop classifier read them.
     """
 
     tokens: Tensor
     parents: Tensor
     q: Tensor | None = None
     proposal: str = "topk"
+    draft_stats: Tensor | None = None
     depths: Tensor = field(init=False, repr=False)
 
     def __post_init__(self):

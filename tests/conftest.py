@@ -122,3 +122,29 @@ def tiny_prompt_file(tmp_path_factory):
         for i in range(8):
             f.write(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": CORPUS[i % 6]}]}) + "\n")
     return str(path)
+
+
+def chat_prompt(tok, text: str):
+    """One user turn, chat-templated with the assistant header: LongTensor [P]."""
+    return torch.tensor(tok.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True)["input_ids"])
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_prompts(tiny_target):
+    """Three chat prompts for the tiny target (tensors [P])."""
+    _, tok = tiny_target
+    return [chat_prompt(tok, t) for t in ["The quick brown fox", "def add(a, b):", "Numbers: 0 1 2 3 4"]]
+
+
+@pytest.fixture(scope="session")
+def noisy_copy(tiny_target):
+    """A drafter model that is the tiny target plus a little noise: it agrees with the target often, not always
+    (tau about 2.6 with chains of 6)."""
+    model, tok = tiny_target
+    draft = build_tiny_llama(tok)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(0.006 * torch.randn(p.shape, generator=g))
+    return draft.requires_grad_(False)

@@ -23,15 +23,9 @@ REPORT_KEYS = ["acceptance_length", "acceptance_length_per_sample", "per_positio
                "baseline_tokens_per_second", "speedup", "num_prompts", "tree", "wall_seconds"]
 
 
-def chat_prompt(tok, text):
-    return torch.tensor(tok.apply_chat_template([{"role": "user", "content": text}],
-                                                add_generation_prompt=True)["input_ids"])
-
-
 @pytest.fixture(scope="module")
-def prompts(tiny_target):
-    _, tok = tiny_target
-    return [chat_prompt(tok, t) for t in ["The quick brown fox", "def add(a, b):", "Numbers: 0 1 2 3 4"]]
+def prompts(tiny_chat_prompts):
+    return tiny_chat_prompts
 
 
 @pytest.fixture(scope="module")

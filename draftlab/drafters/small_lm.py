@@ -417,6 +417,14 @@ class SmallLM(nn.Module):
         return self._divergence(*seq, topk=(batch["teacher_topk_ids"],
                                 batch["teacher_topk_logprobs"], batch.get("teacher_tail_mass")))
 
+    def topk_loss(self, batch: dict) -> tuple[Tensor, dict[str, float]]:
+        """The divergence (drafter.distill_loss) to the target's top-k distribution given in the batch
+        (teacher_topk_ids / teacher_topk_logprobs [B, T, k], teacher_tail_mass [B, T], as in offline white-box
+        mode) at the loss_mask positions, whatever distill_mode the drafter was trained with: what online updates
+        from a round log use (`draftlab/online.py`), with no target run."""
+        return self._divergence(*self._dataset(batch), topk=(batch["teacher_topk_ids"], batch["teacher_topk_logprobs"],
+                                                             batch.get("teacher_tail_mass")))
+
     def _dataset(self, batch: dict):
         """The batch as is: ids, attention [B, T] (a packed batch: its block-diagonal mask [B, 1, T, T]), weight
         [B, T] (1 on assistant tokens; 0 on a packed conversation's first token, which the one before it does not

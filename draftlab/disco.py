@@ -1,0 +1,351 @@
+"""DISCO: a stop classifier that decides, token by token, whether a chain drafter keeps drafting.
+
+Paper: Mamou, Pereg, Korat, Berchansky, Timor, Wasserblat, Schwartz, "Dynamic Speculation Lookahead Accelerates
+Speculative Decoding of Large Language Models" (arXiv 2405.04304; first titled "Accelerating Speculative Decoding
+using Dynamic Speculation Length").
+
+Specification, as read:
+* [ABS] The speculation lookahead (SL, draft tokens per round) is usually static; the SL an *oracle* would choose
+  (draft until the first token the target rejects) varies widely from round to round, so a static SL is
+  suboptimal. DISCO "uses a classifier to dynamically adjust the SL at each iteration, while provably preserving
+  the decoding quality"; reported: about 10% average speedup over the best static SL on four datasets, the same
+  text as static SL.
+* [RECALLED, UNVERIFIED] After each draft token the classifier reads features the drafter has at that moment (the
+  probabilities of its top-ranked tokens, the entropy of its distribution, the index of the token in the round)
+  and predicts whether the token will be accepted; drafting stops when the predicted probability falls below a
+  threshold tuned for speed on held-out data. Labels come from the oracle: a draft token is positive when the
+  target accepts it. The classifier is a small feed-forward network.
+* [DERIVED, section 1.2 of method_specs] The stop decision changes only how many tokens go to verification, never
+  the verification rule, so the output stays exactly the target's (greedy identity, and the target's distribution
+  under sampling: each drafted token is still drawn from q and verified by rejection sampling).
+
+What draftlab builds (and where it departs from the paper):
+* Features per draft position, all available before the token is drafted: top-1 and top-2 probability and entropy
+  of the drafter's temperature-1 distribution at that position (`drafting.draft_stats`), and the position in the
+  round (1-based). They are standardised with the training set's mean and spread, stored with the classifier.
+* Labels from a round log (`rounds.py`, written by `draftlab eval --log-rounds`): every node the target judged
+  (a child of the root or of an accepted node) is one example, positive when it was accepted; so the classifier
+  estimates p_i = P(token i accepted | tokens 1..i-1 accepted). Trained with binary cross-entropy
+  (`losses.acceptance_bce` with reject weight 1), full batch, Adam.
+* The decision rule uses this machine's measured costs instead of a tuned threshold (`StopRule`): with i tokens
+  drafted, reach R_i = p_1 ... p_i, E_i = 1 + R_1 + ... + R_i expected tokens of stopping now and
+  T(k) = draft(k) + verify(k + 1) + overhead seconds a round of k (costs.py), keep drafting when some longer
+  chain m <= max_length, its later tokens accepted with the next token's predicted p_{i+1}, reaches more
+  expected tokens per second than stopping now: max_m E'_m / T(m) > E_i / T(i). With one p for every token this
+  is exactly the best fixed length over the cost table (tests/test_disco.py checks it against brute force); with
+  varying p it is a one-step-informed look-ahead. The first token is always drafted, as in SpecDec++'s rule.
+* Any chain drafter whose proposer drafts through `drafting` (eagle, eagle3, medusa, small_lm, ...) can be wrapped
+  (`DiscoProposer`); trees are drafted by the drafter itself, unchanged.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from draftlab import drafting
+from draftlab.errors import CheckpointError, DataError
+
+FORMAT_VERSION = 1
+FEATURES = ("top1", "top2", "entropy", "position")
+CONFIG_NAME, WEIGHTS_NAME = "disco.json", "disco.safetensors"
+
+
+# --- features and examples --------------------------------------------------------------------------------------
+def features(stats: Tensor, positions: Tensor) -> Tensor:
+    """stats [N, 3] (drafting.draft_stats: top-1, top-2 probability, entropy), positions [N] (1 = first draft token
+    of the round) -> [N, 4] raw features in FEATURES order."""
+    return torch.cat([stats.float(), positions.float()[:, None]], -1)
+
+
+def examples_from_rounds(rows) -> tuple[Tensor, Tensor]:
+    """Round-log rows -> (features [N, 4], labels [N] in {0, 1}): one example per judged draft node."""
+    xs, ys = [], []
+    for row in rows:
+        if row.draft_stats is None:
+            continue
+        depths = [0] * len(row.parents)
+        for i, p in enumerate(row.parents):
+            depths[i] = 1 if p < 0 else depths[p] + 1
+        accepted = set(row.accepted)
+        for i in row.judged():
+            xs.append(row.draft_stats[i] + [depths[i]])
+            ys.append(float(i in accepted))
+    if not xs:
+        raise DataError("the round log has no draft_stats on any judged draft token: log rounds of a model-based "
+                        "drafter (draftlab eval --checkpoint ... --log-rounds FILE), not prompt lookup")
+    return torch.tensor(xs, dtype=torch.float32), torch.tensor(ys, dtype=torch.float32)
+
+
+# --- the classifier -----------------------------------------------------------------------------------------------
+class StopClassifier(nn.Module):
+    """A small feed-forward network: standardised features [N, 4] -> logit of "the target accepts this token" [N]."""
+
+    def __init__(self, hidden: int = 32, layers: int = 2):
+        super().__init__()
+        dims = [len(FEATURES)] + [hidden] * layers
+        blocks = []
+        for a, b in zip(dims, dims[1:]):
+            blocks += [nn.Linear(a, b), nn.SiLU()]
+        self.net = nn.Sequential(*blocks, nn.Linear(dims[-1], 1))
+        self.register_buffer("mean", torch.zeros(len(FEATURES)))
+        self.register_buffer("std", torch.ones(len(FEATURES)))
+        self.hidden, self.layers = hidden, layers
+        self.info: dict = {}
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net((x.float() - self.mean) / self.std).squeeze(-1)
+
+    @torch.no_grad()
+    def prob(self, x: Tensor) -> Tensor:
+        """Raw features [N, 4] -> P(accepted) [N]."""
+        return torch.sigmoid(self(x))
+
+
+def train_classifier(x: Tensor, y: Tensor, *, hidden: int = 32, layers: int = 2, steps: int = 300,
+                     lr: float = 1e-2, val_share: float = 0.1, seed: int = 0) -> tuple[StopClassifier, dict]:
+    """Fit a StopClassifier on (x [N, 4], y [N]) with full-batch Adam on binary cross-entropy.
+
+    A `val_share` of the examples (at random, at least one when N >= 10) is held out for the validation loss.
+    Returns (the classifier, history: {train_loss: [per step], val_loss, val_accuracy, val_brier, examples,
+    positive_rate})."""
+    from draftlab.losses import acceptance_bce
+
+    if len(x) < 2 or len(torch.unique(y)) < 2:
+        raise DataError(f"the round log gives {len(x)} judged draft tokens, all "
+                        f"{'accepted' if len(y) and y[0] == 1 else 'rejected'}: log more rounds (more prompts or "
+                        "longer chains) so that both outcomes occur")
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(x), generator=g)
+    n_val = max(1, int(len(x) * val_share)) if len(x) >= 10 else 0
+    val, train = order[:n_val], order[n_val:]
+    torch.manual_seed(seed)
+    model = StopClassifier(hidden, layers)
+    model.mean.copy_(x[train].mean(0))
+    model.std.copy_(x[train].std(0).clamp(min=1e-3) if len(train) > 1 else torch.ones(x.shape[1]))
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    ones = torch.ones(1, len(train))
+    losses = []
+    for _ in range(steps):
+        loss = acceptance_bce(model(x[train])[None], y[train][None], ones, reject_weight=1.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    history = {"train_loss": losses, "examples": len(x), "positive_rate": float(y.mean())}
+    if n_val:
+        with torch.no_grad():
+            z = model(x[val])
+            p = torch.sigmoid(z)
+            history.update(val_loss=float(acceptance_bce(z[None], y[val][None], torch.ones(1, n_val), 1.0)),
+                           val_accuracy=float(((p > 0.5).float() == y[val]).float().mean()),
+                           val_brier=float(((p - y[val]) ** 2).mean()), val_examples=n_val)
+    model.eval()
+    return model, history
+
+
+def save_classifier(model: StopClassifier, folder: str | Path, info: dict) -> Path:
+    """Write disco.safetensors + disco.json into `folder` (created)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / WEIGHTS_NAME))
+    (folder / CONFIG_NAME).write_text(json.dumps({"format": "draftlab.disco", "version": FORMAT_VERSION,
+                                                  "features": list(FEATURES), "hidden": model.hidden,
+                                                  "layers": model.layers, **info}, indent=2))
+    return folder
+
+
+def load_classifier(path: str | Path) -> StopClassifier:
+    """A saved classifier (its folder, or the disco.json in it); a missing or foreign file is a CheckpointError."""
+    path = Path(path)
+    folder = path.parent if path.name == CONFIG_NAME else path
+    config_file = folder / CONFIG_NAME
+    if not config_file.is_file() or not (folder / WEIGHTS_NAME).is_file():
+        raise CheckpointError(f"--disco {path}: no {CONFIG_NAME} and {WEIGHTS_NAME} there: train one with "
+                              f"draftlab disco --rounds LOG --out {path}")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"--disco {path}: {config_file} is not JSON ({e.msg})") from None
+    if config.get("format") != "draftlab.disco" or config.get("version") != FORMAT_VERSION:
+        raise CheckpointError(f"--disco {path}: {config_file} is format {config.get('format')!r} version "
+                              f"{config.get('version')!r}; this draftlab reads draftlab.disco version {FORMAT_VERSION}: "
+                              "train it again with draftlab disco")
+    if config.get("features") != list(FEATURES):
+        raise CheckpointError(f"--disco {path}: trained on features {config.get('features')}, this draftlab computes "
+                              f"{list(FEATURES)}: train it again with draftlab disco")
+    model = StopClassifier(int(config["hidden"]), int(config["layers"]))
+    model.load_state_dict(load_file(str(folder / WEIGHTS_NAME)))
+    model.info = config
+    return model.eval()
+
+
+# --- the decision rule --------------------------------------------------------------------------------------------
+@dataclass
+class RoundCosts:
+    """Seconds of a round of k draft tokens: draft[k] + verify[k + 1] + overhead (costs.auto_draft_length measures
+    them on this machine)."""
+
+    draft: dict[int, float]
+    verify: dict[int, float]
+    overhead: float = 0.0
+
+    def seconds(self, k: int) -> float:
+        return self.draft[k] + self.verify[k + 1] + self.overhead
+
+    @property
+    def max_length(self) -> int:
+        return max(k for k in self.draft if k + 1 in self.verify)
+
+
+@dataclass
+class StopRule:
+    """Keep drafting while a longer chain is expected to give more tokens per second (module docstring)."""
+
+    costs: RoundCosts
+    max_length: int
+    decisions: list[int] = field(default_factory=list)
+
+    def keep_drafting(self, p: list[float]) -> bool:
+        """p: predicted conditional acceptance of tokens 1..i+1, where i = len(p) - 1 tokens are drafted and token
+        i+1 is the candidate. True = draft it."""
+        drafted = len(p) - 1
+        if drafted >= self.max_length:
+            return False
+        reach, expected = 1.0, 1.0
+        for value in p[:drafted]:
+            reach *= value
+            expected += reach
+        now = expected / self.costs.seconds(drafted)
+        for k in range(drafted + 1, self.max_length + 1):
+            reach *= p[-1]
+            expected += reach
+            if expected / self.costs.seconds(k) > now:
+                return True
+        return False
+
+    def length(self, p: list[float]) -> int:
+        """The chain length the rule reaches when token i's predicted acceptance is p[i-1] (p as long as
+        max_length): what DiscoProposer does in a round, without a drafter (for tests and tables)."""
+        drafted = 1
+        while drafted < self.max_length and self.keep_drafting(p[:drafted + 1]):
+            drafted += 1
+        return drafted
+
+
+def best_fixed_length(p: float, costs: RoundCosts, max_length: int) -> int:
+    """Brute force: the chain length k in 1..max_length with the most expected tokens per second when every draft
+    token is accepted with probability p (given the ones before it); ties go to the shorter chain."""
+    rates = [(1 + sum(p ** i for i in range(1, k + 1))) / costs.seconds(k) for k in range(1, max_length + 1)]
+    return max(range(1, max_length + 1), key=lambda k: (rates[k - 1], -k))
+
+
+# --- the proposer -------------------------------------------------------------------------------------------------
+class DiscoProposer:
+    """A chain drafter's proposer (`inner`: root / step / to_target / expand, as `drafting` needs) whose chains stop
+    when the StopRule says another token no longer pays. Trees go to the inner proposer unchanged.
+
+    After a propose(), `predicted_acceptance` lists the classifier's p per draft node (the evaluator pairs them
+    with the verdicts: the report's calibration); `adaptive` describes the rule for the report."""
+
+    def __init__(self, inner, classifier: StopClassifier, rule: StopRule, label: str = ""):
+        self.inner, self.classifier, self.rule, self.label = inner, classifier, rule, label
+        self.feature_layers = tuple(inner.feature_layers)
+        self.max_depth = getattr(inner, "max_depth", None)
+        self.predicted_acceptance: list[float] | None = None
+        self._seen: list[Tensor] = []          # this round's draft logits: the root's, then one per fed node
+        self._p: list[float] = []              # the classifier's p for the first len(_p) of them
+
+    @property
+    def adaptive(self) -> dict:
+        return {"rule": "disco", "max_length": self.rule.max_length, "classifier": self.label,
+                "description": f"DISCO classifier, measured costs, <= {self.rule.max_length}"}
+
+    def reset(self, prompt_ids: Tensor) -> None:
+        self.inner.reset(prompt_ids)
+
+    def commit(self, tokens: Tensor, features: Tensor | None) -> None:
+        self.inner.commit(tokens, features)
+
+    # the Steps protocol, passed through; every distribution a chain token is drafted from is kept for the classifier
+    def root(self) -> Tensor:
+        logits = self.inner.root()
+        self._seen, self._p = [logits], []
+        return logits
+
+    def step(self, nodes: list[int], tree) -> Tensor:
+        logits = self.inner.step(nodes, tree)
+        self._seen.append(logits[-1])
+        return logits
+
+    def to_target(self, index: Tensor) -> Tensor:
+        return self.inner.to_target(index)
+
+    def expand(self, logits: Tensor) -> Tensor:
+        return self.inner.expand(logits)
+
+    def _predict(self, upto: int) -> list[float]:
+        """The classifier's p for draft tokens 1..upto (from the distributions seen so far)."""
+        done = len(self._p)
+        if upto > done:
+            stats = drafting.draft_stats(torch.stack(self._seen[done:upto]))
+            self._p += self.classifier.prob(features(stats.cpu(), torch.arange(done + 1, upto + 1))).tolist()
+        return self._p[:upto]
+
+    @torch.inference_mode()
+    def propose(self, spec, sampling, generator: torch.Generator | None = None):
+        self.predicted_acceptance = None
+        if spec.kind != "chain":
+            return self.inner.propose(spec, sampling, generator)
+        length = min(spec.draft_length, self.rule.max_length)
+        tree = drafting.chain(self, length, sampling, generator,
+                              lambda i: not self.rule.keep_drafting(self._predict(i + 1)))
+        self.predicted_acceptance = self._predict(len(tree)) if len(tree) else []
+        return tree
+
+
+def wrap(proposer, classifier: StopClassifier, costs: RoundCosts, max_length: int, label: str = "") -> DiscoProposer:
+    """DISCO stopping around a drafter's proposer; one that does not draft through `drafting` is a CheckpointError."""
+    if not all(hasattr(proposer, name) for name in ("root", "step", "to_target", "expand")):
+        raise CheckpointError(f"--draft-length disco needs a drafter that drafts token by token (eagle, eagle3, "
+                              f"medusa, small_lm); {type(proposer).__name__} does not")
+    return DiscoProposer(proposer, classifier, StopRule(costs, min(max_length, costs.max_length)), label)
+
+
+def cmd_disco(argv: list[str]) -> None:
+    """`draftlab disco --rounds LOG --out DIR`: train the stop classifier from a round log."""
+    from draftlab.errors import OneLineParser
+    from draftlab.rounds import read_rounds
+
+    p = OneLineParser(prog="draftlab disco", description="Train DISCO's stop classifier from a round log "
+                      "(draftlab eval --log-rounds); use it with draftlab eval --draft-length disco --disco DIR.")
+    p.add_argument("--rounds", required=True, nargs="+", help="round log(s) of the drafter DISCO will stop")
+    p.add_argument("--out", required=True, help="folder for disco.json + disco.safetensors")
+    p.add_argument("--hidden", type=int, default=32)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    for name in ("hidden", "layers", "steps"):
+        if getattr(args, name) < 1:
+            raise DataError(f"--{name} {getattr(args, name)}: give at least 1")
+    rows = [row for path in args.rounds for row in read_rounds(path)]
+    x, y = examples_from_rounds(rows)
+    model, history = train_classifier(x, y, hidden=args.hidden, layers=args.layers, steps=args.steps, lr=args.lr,
+                                      seed=args.seed)
+    losses = history.pop("train_loss")
+    info = {"rounds": [str(r) for r in args.rounds], "round_rows": len(rows),
+            "train_loss_first": losses[0], "train_loss_last": losses[-1], **history}
+    save_classifier(model, args.out, info)
+    val = f", validation loss {history['val_loss']:.3f}, accuracy {history['val_accuracy']:.3f}" \
+        if "val_loss" in history else ""
+    print(f"DISCO classifier: {history['examples']} judged draft tokens from {len(rows)} rounds (accepted "
+          f"{history['positive_rate']:.3f}); loss {losses[0]:.3f} -> {losses[-1]:.3f}{val}; saved to {args.out}")
+    if not math.isfinite(losses[-1]):
+        raise DataError("the classifier's loss is not finite: lower --lr")

@@ -1,0 +1,203 @@
+"""DISCO's stop classifier: the decision rule against brute force on toy cost tables, training, save/load, lossless
+decoding with `--draft-length disco`, and bad input as one line."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from draftlab import disco
+from draftlab.errors import CheckpointError, DataError
+from draftlab.evaluator import evaluate, speculative_generate, target_generate
+from draftlab.proposers import CausalLMProposer
+from draftlab.rounds import RoundLog, read_rounds
+from draftlab.trees import TreeSpec
+from draftlab.verify import Sampling
+
+
+# draft[k], verify[n] in ms: a CPU (verification grows with n), a GPU (flat, then a step), and an uneven table
+COST_TABLES = {
+    "cpu": ({k: 4.0 * k for k in range(1, 9)}, {n: 60 + 9 * (n - 1) for n in range(1, 10)}),
+    "gpu": ({k: 1.0 * k for k in range(1, 9)}, {n: 20 if n <= 5 else 31 for n in range(1, 10)}),
+    "uneven": ({k: 2.0 * k + (3 if k % 3 == 0 else 0) for k in range(1, 9)},
+               {n: 30 + (12 if n in (4, 7) else 0) + 2 * n for n in range(1, 10)}),
+}
+
+
+@pytest.mark.parametrize("table", list(COST_TABLES))
+@pytest.mark.parametrize("overhead", [0.0, 15.0])
+def test_the_rule_picks_the_brute_force_best_length(table, overhead):
+    draft, verify = COST_TABLES[table]
+    costs = disco.RoundCosts(draft, verify, overhead)
+    chosen = set()
+    for max_length in (1, 4, 8):
+        rule = disco.StopRule(costs, max_length)
+        for p in [i / 40 for i in range(1, 40)]:
+            best = disco.best_fixed_length(p, costs, max_length)
+            assert rule.length([p] * max_length) == best, (table, max_length, p)
+            chosen.add(best)
+    assert len(chosen) >= 3          # the grid covers short and long chains, not one answer everywhere
+
+
+def test_brute_force_on_a_hand_checked_table():
+    # verify costs 10 for any n, drafting free: every extra token adds p^i tokens at no cost, so draft to the end;
+    # drafting costing 10 a token with p = 0.5: k=1 gives 1.5/20, k=2 1.75/30: stop at one
+    flat = disco.RoundCosts({k: 0.0 for k in range(1, 6)}, {n: 10.0 for n in range(1, 7)})
+    assert disco.best_fixed_length(0.3, flat, 5) == 5 == disco.StopRule(flat, 5).length([0.3] * 5)
+    dear = disco.RoundCosts({k: 10.0 * k for k in range(1, 6)}, {n: 10.0 for n in range(1, 7)})
+    assert disco.best_fixed_length(0.5, dear, 5) == 1 == disco.StopRule(dear, 5).length([0.5] * 5)
+
+
+def test_a_confident_then_doubtful_chain_stops_at_the_doubt():
+    costs = disco.RoundCosts({k: 3.0 * k for k in range(1, 9)}, {n: 40.0 + 4 * n for n in range(1, 10)})
+    rule = disco.StopRule(costs, 8)
+    assert rule.length([0.95, 0.95, 0.95, 0.05, 0.95, 0.95, 0.95, 0.95]) == 3
+    assert rule.length([0.95] * 8) == 8
+
+
+def test_the_classifier_learns_a_separable_toy_set():
+    g = torch.Generator().manual_seed(0)
+    n = 400
+    top1 = torch.rand(n, generator=g)
+    x = torch.stack([top1, top1 * torch.rand(n, generator=g) * 0.5, 3 * (1 - top1),
+                     torch.randint(1, 6, (n,), generator=g).float()], 1)
+    y = (top1 > 0.5).float()
+    model, history = disco.train_classifier(x, y, steps=200)
+    losses = history["train_loss"]
+    assert losses[-1] < 0.5 * losses[0]
+    assert history["val_accuracy"] >= 0.9
+    assert ((model.prob(x) > 0.5).float() == y).float().mean() > 0.95
+
+
+def test_save_and_load_give_the_same_predictions(tmp_path):
+    x = torch.rand(50, 4)
+    y = (x[:, 0] > 0.5).float()
+    model, _ = disco.train_classifier(x, y, steps=20)
+    disco.save_classifier(model, tmp_path / "c", {"rounds": ["toy"]})
+    back = disco.load_classifier(tmp_path / "c")
+    assert torch.equal(model.prob(x), back.prob(x)) and back.info["rounds"] == ["toy"]
+    config = json.loads((tmp_path / "c" / disco.CONFIG_NAME).read_text())
+    (tmp_path / "c" / disco.CONFIG_NAME).write_text(json.dumps({**config, "version": 99}))
+    with pytest.raises(CheckpointError, match="version 99"):
+        disco.load_classifier(tmp_path / "c")
+    with pytest.raises(CheckpointError, match="no disco.json"):
+        disco.load_classifier(tmp_path / "nothing")
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_chat_prompts):
+    return tiny_chat_prompts
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_target, prompts, noisy_copy, tmp_path_factory):
+    """A round log of the noisy copy's chains of 6 and the classifier trained from it."""
+    model, _ = tiny_target
+    folder = tmp_path_factory.mktemp("disco")
+    with RoundLog(folder / "rounds.jsonl") as log:
+        evaluate(model, CausalLMProposer(noisy_copy), prompts, spec=TreeSpec("chain", draft_length=6),
+                 sampling=Sampling(), max_new_tokens=24, progress=False, log_rounds=log)
+    x, y = disco.examples_from_rounds(read_rounds(folder / "rounds.jsonl"))
+    model_c, _ = disco.train_classifier(x, y, steps=100)
+    disco.save_classifier(model_c, folder / "classifier", {"rounds": [str(folder / "rounds.jsonl")]})
+    from draftlab.checkpoint import save_drafter
+    from draftlab.drafters.eagle import EagleHead
+
+    save_drafter(EagleHead.from_target(model, None), folder / "step_0")      # an untrained head to stop
+    return folder, model_c
+
+
+COSTS = disco.RoundCosts({k: 2.0 * k for k in range(1, 7)}, {n: 20.0 + 3 * n for n in range(1, 8)})
+
+
+def test_disco_decoding_is_lossless_under_greedy(tiny_target, prompts, noisy_copy, trained):
+    model, _ = tiny_target
+    proposer = disco.wrap(CausalLMProposer(noisy_copy), trained[1], COSTS, 6)
+    lengths = set()
+    for p in prompts:
+        res = speculative_generate(model, proposer, p, TreeSpec("chain", draft_length=6), Sampling(), 24)
+        assert res.tokens == target_generate(model, p, 24).tokens
+        lengths |= set(res.draft_nodes)
+        assert len(res.predicted) == len(res.outcome) > 0 and all(0 <= q <= 1 for q in res.predicted)
+    assert lengths <= set(range(1, 7))
+
+
+def test_disco_only_cuts_the_sampled_chain_short(tiny_target, prompts, noisy_copy, trained):
+    """Under sampling, a DISCO chain is a prefix of the fixed chain drawn with the same random stream (same tokens,
+    same q), and the stop depends on the drafter alone: verification is the usual lossless rule over it."""
+    model, _ = tiny_target
+    sampling = Sampling(temperature=1.0)
+    fixed, stopped = CausalLMProposer(noisy_copy), disco.wrap(CausalLMProposer(noisy_copy), trained[1], COSTS, 6)
+    cut = 0
+    for p in prompts:
+        for proposer in (fixed, stopped):
+            proposer.reset(p)
+            proposer.commit(torch.tensor([int(p[-1])]), None)
+        a = fixed.propose(TreeSpec("chain", draft_length=6), sampling, torch.Generator().manual_seed(1))
+        b = stopped.propose(TreeSpec("chain", draft_length=6), sampling, torch.Generator().manual_seed(1))
+        n = len(b)
+        assert 1 <= n <= 6 and torch.equal(a.tokens[:n], b.tokens) and torch.allclose(a.q[:n], b.q)
+        assert b.proposal == "with_replacement"
+        cut += n < 6
+    res = speculative_generate(model, stopped, prompts[0], TreeSpec("chain", draft_length=6), sampling, 16,
+                               generator=torch.Generator().manual_seed(0))
+    assert 1 <= res.new_tokens / res.rounds <= 7
+
+
+def test_rounds_without_draft_stats_or_outcomes_are_refused(tmp_path):
+    with pytest.raises(DataError, match="no draft_stats"):
+        disco.examples_from_rounds([])
+    with pytest.raises(DataError, match="both outcomes"):
+        disco.train_classifier(torch.rand(5, 4), torch.zeros(5))
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "draftlab.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_trains_and_evaluates_disco(tiny_target, tiny_target_dir, tiny_prompt_file, trained, tmp_path):
+    folder, _ = trained
+    proc = run_cli("disco", "--rounds", str(folder / "rounds.jsonl"), "--out", str(tmp_path / "c"), "--steps", "50")
+    assert proc.returncode == 0, proc.stderr
+    assert "judged draft tokens" in proc.stdout and (tmp_path / "c" / disco.WEIGHTS_NAME).is_file()
+    ckpt = folder / "step_0"
+    out = tmp_path / "report.json"
+    proc = run_cli("eval", "--checkpoint", str(ckpt), "--target", tiny_target_dir, "--prompts", tiny_prompt_file,
+                   "--out", str(out), "--max-new-tokens", "12", "--num-prompts", "2", "--draft-length", "disco",
+                   "--disco", str(tmp_path / "c"), "--max-draft-length", "4", "--calibration-prompts", "1")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["lossless"] is True and report["adaptive"]["rule"] == "disco"
+    assert report["draft_length"] == 4 and 1 <= report["mean_draft_length"] <= 4
+    assert "verify_cost" in report["draft_shape"] and report["disco"]["classifier"] == str(tmp_path / "c")
+
+
+@pytest.mark.parametrize("case", ["no_log", "bad_version", "no_classifier", "disco_without_path", "path_without_disco",
+                                  "disco_with_tree", "disco_with_lookup"])
+def test_bad_disco_input_is_one_line(case, trained, tiny_target_dir, tiny_prompt_file, tmp_path):
+    folder, _ = trained
+    if case in ("no_log", "bad_version"):
+        log = tmp_path / "r.jsonl"
+        if case == "bad_version":
+            row = json.loads((folder / "rounds.jsonl").read_text().splitlines()[0])
+            log.write_text(json.dumps({**row, "version": 7}) + "\n")
+        proc = run_cli("disco", "--rounds", str(log), "--out", str(tmp_path / "c"))
+        assert not (tmp_path / "c").exists()
+    else:
+        extra = {"no_classifier": ["--draft-length", "disco", "--disco", str(tmp_path / "nope")],
+                 "disco_without_path": ["--draft-length", "disco"],
+                 "path_without_disco": ["--disco", str(folder / "classifier")],
+                 "disco_with_tree": ["--draft-length", "disco", "--disco", str(folder / "classifier"),
+                                     "--tree", "dynamic"],
+                 "disco_with_lookup": ["--draft-length", "disco", "--disco", str(folder / "classifier"),
+                                       "--lookup-first", "3"]}[case]
+        proc = run_cli("eval", "--checkpoint", str(folder / "step_0"), "--target", tiny_target_dir, "--prompts",
+                       tiny_prompt_file, "--out", str(tmp_path / "r.json"), *extra)
+        assert not (tmp_path / "r.json").exists()
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    if case == "bad_version":
+        assert "version 7" in proc.stderr
