@@ -119,7 +119,7 @@ def user_prefix(render, messages: list[dict]) -> str:
         text = render(messages + [{"role": "user", "content": SENTINEL}])
     except Exception as e:  # no template, or one that rejects a system turn
         raise TargetError(f"the target's chat template cannot render a conversation ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}): prompt synthesis writes user turns from "
+                          f"{str(e).splitlines()[0][:100] if str(e) else ''}): prompt synthesis writes user turns from "
                           "the template's user prefix, so the target needs a chat template") from None
     at = text.find(SENTINEL)
     if at < 0:
