@@ -126,13 +126,14 @@ def chunk_totals(rows: list[dict]) -> tuple[float, int]:
             sum(c["chunk_tokens"] for c in chunks.values()))
 
 
-def stats(args, raw: list[dict], kept: list[dict], report: dict, bench_file: str) -> dict:
+def stats(args, command: str, raw: list[dict], kept: list[dict], report: dict, bench_file: str) -> dict:
     seconds, tokens = chunk_totals(raw)
     meta = raw[0]["synth"] if raw else {}
     samples = {c: [user_turns(r)[0] for r in kept if r["category"] == c][:3] for c in CATEGORIES}
     follow = next((r["messages"] for r in kept if len(r["messages"]) == 3), None)
     return {
-        "command": meta.get("command"), "seed": args.seed, "backend": meta.get("backend"),
+        "command": command, "row_commands": sorted({r["synth"].get("command") for r in raw} - {None}),
+        "seed": args.seed, "backend": meta.get("backend"),
         "model_sha256": meta.get("model_sha256"), "user_sampling": meta.get("user_sampling"),
         "answer_sampling": meta.get("answer_sampling"), "planned": args.num, "synthesised": len(raw),
         "kept": len(kept), "multi_turn_kept": sum(len(r["messages"]) == 3 for r in kept),
@@ -150,8 +151,11 @@ def stats(args, raw: list[dict], kept: list[dict], report: dict, bench_file: str
 
 def markdown(s: dict) -> str:
     f = s["filters"]
-    lines = ["# Synthesised chat-like prompts", "", f"Command: `{s['command']}`", "",
-             f"{s['synthesised']} conversations synthesised by {s['backend']} (model sha256 "
+    lines = ["# Synthesised chat-like prompts", "", f"Command: `{s['command']}`", ""]
+    if s["row_commands"] != [s["command"]]:
+        lines += ["Rows made by: " + "; ".join(f"`{c}`" for c in s["row_commands"]) + " (the plan does not depend "
+                  "on --num: the first N rows of a longer plan are the rows of --num N)", ""]
+    lines += [f"{s['synthesised']} conversations synthesised by {s['backend']} (model sha256 "
              f"`{str(s['model_sha256'])[:16]}`), {s['kept']} kept ({s['multi_turn_kept']} with a follow-up turn); "
              f"{s['generated_tokens']} tokens generated in {s['synthesis_seconds']} s ({s['tokens_per_second']} "
              f"tokens/s); user turns at T={s['user_sampling']['temperature']}.", "",
@@ -200,7 +204,7 @@ def run(argv: list[str] | None) -> None:
     kept, report = filter_rows(raw, shares, bench, SYSTEM_PROMPTS, fs)
     write_prompts(kept, args.out)
     if args.stats:
-        figures = stats(args, raw, kept, report, next((s.split("=", 1)[1] for s in args.overlap_with
+        figures = stats(args, command, raw, kept, report, next((s.split("=", 1)[1] for s in args.overlap_with
                                                         if s.startswith("mtbench=")), ""))
         Path(args.stats).parent.mkdir(parents=True, exist_ok=True)
         Path(args.stats + ".json").write_text(json.dumps(figures, indent=1, ensure_ascii=False) + "\n")

@@ -22,21 +22,19 @@ ENGLISH = frozenset("the a an to of in and is are you i my me how what can for w
                     "please write your which why who when".split())
 # Words a prompt of each MT-bench category tends to use; a crude check of whether steering worked.
 CATEGORY_WORDS = {
-    "writing": "write story poem essay email blog post letter speech article draft compose script song haiku "
-               "describe review slogan",
-    "roleplay": "pretend imagine act role roleplay character play persona you are as if voice scene embody",
-    "reasoning": "puzzle riddle logic if then why reason suppose true false order deduce which who must "
-                 "conclude",
-    "math": "calculate solve equation number sum area probability percent integer math x y triangle average "
-            "how many square root fraction",
-    "coding": "code python function program javascript sql c java algorithm implement bug script class list "
-              "array regex api",
-    "extraction": "extract list summarize summarise text following table json identify from the names dates "
-                  "return format parse key",
-    "stem": "science physics chemistry biology engineering energy cell quantum climate computer technology "
-            "experiment molecule dna",
-    "humanities": "history philosophy art literature culture religion economics politics society music ethics "
-                  "war century poet law",
+    "writing": "write story poem essay email blog letter speech article draft compose script song haiku slogan "
+               "lyrics novel",
+    "roleplay": "pretend imagine roleplay role character persona act actor embody impersonate",
+    "reasoning": "puzzle riddle logic logical reasoning deduce suppose paradox fallacy teaser",
+    "math": "calculate solve equation sum area probability percent percentage integer math triangle average root "
+            "fraction algebra geometry multiply divide",
+    "coding": "code python function program programming javascript sql java algorithm implement bug script regex "
+              "api html css",
+    "extraction": "extract summarize summarise summary table json identify parse categorize keywords names dates",
+    "stem": "science scientific physics chemistry biology engineering energy cell quantum climate molecule dna atom "
+            "experiment medicine",
+    "humanities": "history historical philosophy literature culture religion economics politics society ethics war "
+                  "century art music law",
 }
 
 
