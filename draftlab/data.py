@@ -1,6 +1,6 @@
 """Training conversations and prompt sets: reading rows, tokenising with the chat template, batching.
 
-Row formats (JSON lines, a JSON list, or a `datasets` Hub id), each turned into a list of chat messages
+Row formats (JSON lines, a JSON list, either gzipped as `.gz`, or a `datasets` Hub id), each turned into a list of chat messages
 `[{"role": "system"|"user"|"assistant", "content": str}, ...]`:
   - chat:            {"messages": [{"role": ..., "content": ...}, ...]}
   - ShareGPT:        {"conversations": [{"from": "human"|"gpt"|"system", "value": ...}, ...]}
@@ -12,8 +12,10 @@ Malformed rows are skipped, counted and reported with their location; `strict=Tr
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,14 +63,14 @@ def iter_rows(source: str, split: str = "train") -> Iterator[tuple[str, object]]
     """Yield (location, row) from a .jsonl/.json file or a datasets Hub id; an unparsable line gives a RowError."""
     path = Path(source).expanduser()
     if path.is_file():
-        if path.suffix == ".json":
+        if path.suffixes[-2:] == [".json", ".gz"] or path.suffix == ".json":
             yield from _json_rows(path)
         else:
             yield from _jsonl_rows(path)
         return
     if path.exists():
         raise DataError(f"data source {source} is a folder: pass a .jsonl/.json file or a datasets Hub id")
-    if source.endswith((".json", ".jsonl")) or source.startswith(("/", ".", "~")):
+    if source.endswith((".json", ".jsonl", ".gz")) or source.startswith(("/", ".", "~")):
         raise DataError(f"data file {source} does not exist: check the path")
     try:
         import datasets
@@ -85,8 +87,21 @@ def _not_utf8(e: UnicodeError, raw: bytes = b"") -> RowError:
     return RowError(f"not valid UTF-8 ({byte}): save the file as UTF-8")
 
 
+def _open_bytes(path: Path):
+    """The file's bytes, gunzipped when its name ends in .gz (prompt sets are shipped compressed)."""
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
-    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is one bad row, not the end of the file
+    try:
+        yield from _jsonl_lines(path)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise DataError(f"{path}: not a readable gzip file ({type(e).__name__}: {e}); recompress it or pass "
+                        "the .jsonl") from None
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[str, object]]:
+    with _open_bytes(path) as f:  # bytes: a line that is not UTF-8 is one bad row, not the end of the file
         for lineno, raw in enumerate(f, 1):
             try:
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
@@ -103,7 +118,9 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, object]]:
 
 def _json_rows(path: Path) -> Iterator[tuple[str, object]]:
     try:  # bytes that are not UTF-8 become lone surrogates here, and their row a bad row below
-        data = json.loads(path.read_bytes().decode("utf-8-sig", errors="surrogateescape"))
+        with _open_bytes(path) as f:
+            raw = f.read()
+        data = json.loads(raw.decode("utf-8-sig", errors="surrogateescape"))
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); a .json data file must hold one list "
                         "of rows (use .jsonl for one row per line)") from None
@@ -361,15 +378,22 @@ class LengthBucketSampler(torch.utils.data.Sampler):
 
 @dataclass
 class Prompt:
-    """An evaluation / regeneration prompt: messages up to the first user turn; all user turns if given."""
+    """An evaluation / regeneration prompt: messages up to the first user turn (or the whole history when the row
+    ends on a user turn); all user turns if given. `prefix`, when set, is text the backends continue as it is
+    instead of the chat-templated messages (prompt synthesis: the target writes the user's turn itself)."""
     id: str
     messages: list[dict]
     turns: list[str] | None = None
     category: str | None = None
+    prefix: str | None = None
 
 
 def parse_prompt(row: object, default_id: str) -> Prompt:
-    """One prompt row (`messages`, `conversations`, `prompt`, or MT-bench `turns`) -> Prompt; RowError if bad."""
+    """One prompt row (`messages`, `conversations`, `prompt`, or MT-bench `turns`) -> Prompt; RowError if bad.
+
+    A conversation that ends on a user turn is a prompt with its history (the next reply is the one to write);
+    otherwise (an answers file read as prompts) the messages are cut after the first user turn.
+    """
     if not isinstance(row, dict):
         raise RowError(f"row is {type(row).__name__}, expected a JSON object")
     turns = row.get("turns")
@@ -385,7 +409,8 @@ def parse_prompt(row: object, default_id: str) -> Prompt:
         raise RowError("no user turn to prompt with")
     row_id = row.get("id", row.get("question_id", default_id))
     category = row.get("category")
-    return Prompt(id=str(row_id), messages=messages[:first_user + 1], turns=turns,
+    end = len(messages) if messages[-1]["role"] == "user" else first_user + 1
+    return Prompt(id=str(row_id), messages=messages[:end], turns=turns,
                   category=str(category) if category is not None else None)
 
 

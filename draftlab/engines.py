@@ -8,7 +8,8 @@
   over HTTP, `concurrency` requests in flight spread over one or several base URLs, retries with backoff, a
   request timeout.
 
-Every backend's `stream(prompts)` yields lists of `Answer`s as they finish (a group is written and synced to disk
+A prompt with a `prefix` (prompt synthesis) is that text continued as it is; the local backends' `render(messages)`
+gives their chat template's text. Every backend's `stream(prompts)` yields lists of `Answer`s as they finish (a group is written and synced to disk
 before the next is asked for) and `describe()` gives the metadata each row records: backend, model file sha256,
 chat template, sampling settings.
 """
@@ -106,7 +107,9 @@ def _stop_ids(model, tokenizer) -> set[int]:
 def generate_batch(model, tokenizer, prompts: list[Prompt], max_new_tokens: int, temperature: float,
                    pad_id: int) -> list[tuple[str, str, int]]:
     """Answer one batch with HF generate: (reply text, finish, new token count) per prompt, in order."""
-    encoded = [encode_prompt(tokenizer, p.messages) for p in prompts]
+    encoded = [encode_prompt(tokenizer, p.messages) if p.prefix is None else
+               torch.tensor(tokenizer(p.prefix, add_special_tokens=False)["input_ids"], dtype=torch.long)
+               for p in prompts]
     width = max(len(e) for e in encoded)
     # Left padding: every prompt ends at the same position, so the new tokens line up after it.
     input_ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
@@ -141,6 +144,10 @@ class TransformersBackend:
         return {"backend": self.name, "model_sha256": file_sha256(self.model_file),
                 "chat_template": template_hash(getattr(self.tokenizer, "chat_template", None)),
                 "sampling": sampling_settings(self.temperature, self.max_new_tokens, self.seed)}
+
+    def render(self, messages: list[dict]) -> str:
+        """The chat template's text for `messages` with the assistant header appended."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def stream(self, prompts: list[Prompt]) -> Iterator[list[Answer]]:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -227,8 +234,12 @@ class LlamaCppBackend:
                 "sampling": sampling_settings(self.temperature, self.max_new_tokens, self.seed),
                 "threads": self.threads, "parallel": self.parallel, "flash_attn": self.flash_attn}
 
+    def render(self, messages: list[dict]) -> str:
+        """The GGUF's chat template's text for `messages` with the assistant header appended."""
+        return render_chat(self.template, messages, self.bos, self.eos)
+
     def encode(self, prompt: Prompt) -> list[int]:
-        text = render_chat(self.template, prompt.messages, self.bos, self.eos)
+        text = self.render(prompt.messages) if prompt.prefix is None else prompt.prefix
         return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
 
     def stream(self, prompts: list[Prompt]) -> Iterator[list[Answer]]:
@@ -386,6 +397,9 @@ class OpenAIBackend:
         raise ServerError(f"server {url} stopped answering ({_reason(last)}, {self.retries + 1} tries)")
 
     def stream(self, prompts: list[Prompt]) -> Iterator[list[Answer]]:
+        if any(p.prefix is not None for p in prompts):
+            raise ServerError("the openai backend sends chat messages and cannot continue raw template text "
+                              "(prompt synthesis): use the llama_cpp or transformers backend")
         urls = itertools.cycle(range(len(self.urls)))
         with futures.ThreadPoolExecutor(self.concurrency) as pool:
             pending = iter(prompts)
