@@ -173,19 +173,13 @@ def trainable(label: str, target) -> int:
     return sum(p.numel() for p in drafter.parameters() if p.requires_grad)
 
 
-def training_record(label: str) -> dict:
-    record = json.loads((run_dir(label) / "bench_train.json").read_text())
-    rows = [json.loads(line) for line in (run_dir(label) / "metrics.jsonl").read_text().splitlines()
-            if '"train_tokens"' in line]
-    tokens, seconds = sum(r["train_tokens"] for r in rows), sum(r["train_seconds"] for r in rows)
-    return {**record, "train_tokens": tokens, "train_loop_seconds": seconds}
-
-
 def stage_report(args, target) -> None:
+    from vocab_budget import training_record        # bench/: the same record (wall s, training tokens and s)
+
     cost = json.loads((CACHE / "cost.json").read_text())
     rows = []
     for label in DRAFTERS:
-        record = training_record(label)
+        record = training_record(run_dir(label))
         ms = cost["ms_median_over_prompts"][label]
         for name in ("mtbench", "heldout"):
             for shape in SHAPES:

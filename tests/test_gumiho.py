@@ -14,6 +14,9 @@ from draftlab.drafters.gumiho import GumihoHeads
 from draftlab.evaluator import speculative_generate, target_generate
 from draftlab.trees import TreeSpec
 from draftlab.verify import Sampling
+from test_draft_vocab import V, _exact_joint, six_token_target  # noqa: F401 (a fixture)
+from test_eagle import _batch, _features, _fit, _ids
+from test_eagle import _reference as _reference_serial
 
 SMALL = dict(serial_tokens=2, serial_layers=1, mlp_heads=3, mlp_layers=1)
 SPECS = [TreeSpec(kind="chain", draft_length=5), TreeSpec(kind="static"),
@@ -31,33 +34,6 @@ def keep_thread_count():
 def _heads(model, seed: int = 0, **cfg) -> GumihoHeads:
     torch.manual_seed(seed)
     return GumihoHeads.from_target(model, SimpleNamespace(**{**SMALL, **cfg}))
-
-
-def _ids(tokenizer, text: str) -> torch.Tensor:
-    return torch.tensor(tokenizer(text)["input_ids"])
-
-
-def _features(model, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids, output_hidden_states=True).hidden_states[-1]
-
-
-def _batch(ids: torch.Tensor, loss_mask=None) -> dict:
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-            "loss_mask": torch.ones_like(ids) if loss_mask is None else loss_mask}
-
-
-def _fit(heads, batch, feats, steps: int, lr: float = 3e-3) -> list[float]:
-    opt = torch.optim.Adam([p for p in heads.parameters() if p.requires_grad], lr=lr)
-    heads.train()
-    losses = []
-    for _ in range(steps):
-        loss, _ = heads.loss(batch, feats)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def _grads(heads) -> dict[str, float]:
@@ -98,14 +74,6 @@ def test_shapes_frozen_pieces_and_both_parts_get_gradients(tiny_target):
     assert grads["serial"] > 0 and grads["parallel"] > 0
     with pytest.raises(ValueError, match="serial_tokens=0"):
         _heads(model, serial_tokens=0)
-
-
-def _reference_serial(heads, feats: torch.Tensor, toks: torch.Tensor) -> torch.Tensor:
-    """No-cache causal forward of the serial head over pairs (feats[t], toks[t]) -> outputs [n, d]."""
-    n = len(toks)
-    mask = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)[None, None]
-    with torch.no_grad():
-        return heads(feats[None], toks[None], torch.arange(n)[None], mask)[0]
 
 
 def test_mlp_head_i_reads_s_fused_pairs_and_predicts_the_feature_s_plus_i_ahead(tiny_target):
@@ -202,35 +170,17 @@ def test_sampled_speculation_runs(tiny_target, kind):
     assert len(result.tokens) == 16 and all(0 <= a <= 5 for a in result.accepted)
 
 
-V = 6            # small enough to tabulate the joint distribution of two emitted tokens
-
-
-def test_sampled_speculation_emits_the_target_distribution():
+def test_sampled_speculation_emits_the_target_distribution(six_token_target):
     """s = 1: the round's second draft token comes from an MLP head; the emitted tokens 2 and 3 still have exactly
     the target's joint distribution (the same statistical check as tests/test_draft_vocab.py)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+    model = six_token_target
     heads = _heads(model, serial_tokens=1, mlp_heads=2).eval()
     with torch.no_grad():                        # MLP heads that draft something other than a constant
         for mlp in heads.mlps:
             mlp[0].weight.normal_(0, 0.3)
     sampling, spec = Sampling(temperature=1.0), TreeSpec(kind="chain", draft_length=2)
     prompt = torch.tensor([1, 4, 2])
-    joint = torch.zeros(V, V)
-    with torch.no_grad():
-        p0 = sampling.probs(model(prompt[None]).logits[0, -1])
-        for a in range(V):
-            p1 = sampling.probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1])
-            for b in range(V):
-                p2 = sampling.probs(model(torch.cat([prompt, torch.tensor([a, b])])[None]).logits[0, -1])
-                joint[b] += p0[a] * p1[b] * p2
-    expected = joint.flatten()
+    expected = _exact_joint(model, prompt, sampling).flatten()
     n = 2000
     counts = torch.zeros(V * V)
     for i in range(n):

@@ -192,27 +192,27 @@ class EagleHead(nn.Module):
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_target(cls, target, cfg=None) -> "EagleHead":
-        """cfg: an EagleConfig node or any object with its fields (missing ones and None = the defaults)."""
-        return cls(target, **settings(EagleConfig, cfg))
+        """cfg: a config_class node or any object with its fields (missing ones and None = the defaults)."""
+        return cls(target, **settings(cls.config_class, cfg))
 
     def drafter_config(self) -> dict:
         """JSON-able: kind, hyper-parameters, and the fingerprint of the target it was built on."""
         return {"kind": self.kind, "feature_layers": list(self.feature_layers),
-                **{k: getattr(self, k) for k in setting_names(EagleConfig)}, "target": dict(self.target_fingerprint),
+                **{k: getattr(self, k) for k in setting_names(self.config_class)}, "target": dict(self.target_fingerprint),
                 "draft_vocab": self.draft_head.draft_vocab.tolist() if self.draft_head.reduced else None}
 
     @classmethod
     def from_config(cls, config: dict, target) -> "EagleHead":
         """Rebuild (untrained weights) from `drafter_config()` output; load the state dict afterwards."""
         check_target_size(cls.kind, config.get("target") or {}, target)
-        own = {k: v for k, v in settings(EagleConfig, config).items() if k != "init_from_target"}
+        own = {k: v for k, v in settings(cls.config_class, config).items() if k != "init_from_target"}
         return cls(target, **own, draft_vocab=config.get("draft_vocab"))
 
     def prepare(self, dataset) -> None:
         """Choose the draft vocabulary (drafter.draft_vocab_size) from the training rows' assistant tokens."""
         if self.draft_vocab_size:
             self.draft_head.set_vocab(vocab.choose(vocab.assistant_token_counts(dataset), self.draft_vocab_size,
-                                             self.vocab_size, who="eagle"))
+                                             self.vocab_size, who=self.kind))
 
     def checkpoint_tensors(self) -> dict[str, dict[str, Tensor]]:
         return self.draft_head.maps()

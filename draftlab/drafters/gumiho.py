@@ -61,7 +61,7 @@ from torch import Tensor, nn
 from draftlab import packing
 from draftlab.drafters.eagle import EagleHead, EagleProposer, ahead, own_feature_steps
 from draftlab.drafters.medusa import ResBlock
-from draftlab.drafters.options import DrafterConfig, DraftVocabOption, check_target_size, setting_names, settings
+from draftlab.drafters.options import DrafterConfig, DraftVocabOption
 from draftlab.serving import layer_config
 
 REFERENCE_SHAPE = {"serial_tokens": 2, "mlp_layers": 5}     # what the reference code's MLP heads are
@@ -106,7 +106,8 @@ def shifted(x: Tensor, offset: int) -> Tensor:
 
 
 class GumihoHeads(EagleHead):
-    """An EAGLE-1 serial head (its fc, decoder layers and frozen target pieces) plus K parallel MLP heads."""
+    """An EAGLE-1 serial head (its fc, decoder layers and frozen target pieces) plus K parallel MLP heads.
+    Construction, saving and loading are EagleHead's, over GumihoConfig's keys."""
 
     kind = "gumiho"
     config_class = GumihoConfig
@@ -139,23 +140,6 @@ class GumihoHeads(EagleHead):
         first = nn.Linear(width, d)
         nn.init.zeros_(first.weight)
         return nn.Sequential(first, nn.SiLU(), *[ResBlock(d) for _ in range(blocks)])
-
-    # --- construction -------------------------------------------------------------------------------------
-    @classmethod
-    def from_target(cls, target, cfg=None) -> "GumihoHeads":
-        """cfg: a GumihoConfig node or any object with its fields (missing ones and None = the defaults)."""
-        return cls(target, **settings(GumihoConfig, cfg))
-
-    def drafter_config(self) -> dict:
-        """JSON-able: kind, hyper-parameters, the draft vocabulary and the target's fingerprint."""
-        return {"kind": self.kind, "feature_layers": list(self.feature_layers),
-                **{k: getattr(self, k) for k in setting_names(GumihoConfig)}, "target": dict(self.target_fingerprint),
-                "draft_vocab": self.draft_head.draft_vocab.tolist() if self.draft_head.reduced else None}
-
-    @classmethod
-    def from_config(cls, config: dict, target) -> "GumihoHeads":
-        check_target_size(cls.kind, config.get("target") or {}, target)
-        return cls(target, **settings(GumihoConfig, config), draft_vocab=config.get("draft_vocab"))
 
     # --- the parallel heads and the loss ------------------------------------------------------------------
     def parallel(self, pairs: Tensor) -> Tensor:
