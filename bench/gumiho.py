@@ -193,7 +193,8 @@ def stage_report(args, target) -> None:
                              "train_steps": record["steps"], "train_tokens": record["train_tokens"],
                              "train_loop_seconds": record["train_loop_seconds"],
                              "trainable_parameters": trainable(label, target)})
-    header = {"command": args.command_line, "target": args.target, "conversations": args.conversations,
+    made = CACHE / "command.txt"          # the command whose stages made the figures (report may run later)
+    header = {"command": made.read_text().strip() if made.is_file() else args.command_line, "target": args.target, "conversations": args.conversations,
               "epochs": args.epochs, "lr": args.lr, "seed": args.seed, "draft_vocab_size": args.vocab,
               "max_new_tokens": args.max_new_tokens, "shapes": SHAPES,
               "drafters": {k: {"recipe": r, "overrides": o} for k, (r, o) in DRAFTERS.items()},
@@ -227,7 +228,13 @@ def markdown(header: dict, rows: list[dict]) -> list[str]:
                      f"{', '.join(f'{a:.2f}' for a in r['per_position_acceptance'])} | {r['draft_ms']:.2f} | "
                      f"{per_token} | {'yes' if r['lossless'] else 'NO'} |")
     chain = header["chain_cost_ms"]
-    lines += ["", "Draft ms of a chain of k (median), per drafter:", "",
+    lines += ["", "What the cost columns leave out: `propose` only. EAGLE-1 and Gumiho run their head over the newly "
+              "accepted tokens in `commit()` (after each verification), which gives them the depth-1 logits, so "
+              "their k=1 is near 0 and that forward is not in any figure here; Medusa's one call of all heads is "
+              "inside `propose`. Compare the growth from k=1 to k=5 (and the tree) rather than the totals. The "
+              "train loop seconds were measured one after another on a shared machine (other jobs ran), so they "
+              "are not a clean cost comparison.",
+              "", "Draft ms of a chain of k (median), per drafter:", "",
               "| drafter | k=1 | k=2 | k=3 | k=4 | k=5 |", "|---|---|---|---|---|---|"]
     for label, ms in chain.items():
         lines.append(f"| {label} | " + " | ".join(f"{ms[str(k)]:.2f}" for k in range(1, 6)) + " |")
@@ -264,6 +271,9 @@ def main(argv=None) -> None:
         return
     from draftlab.target import load_target
 
+    if args.stage != "report":
+        CACHE.mkdir(parents=True, exist_ok=True)
+        (CACHE / "command.txt").write_text(args.command_line + "\n")
     target, tokenizer = load_target(args.target, "auto", "cpu")
     if args.stage in ("all", "eval"):
         stage_eval(args, target, tokenizer)
