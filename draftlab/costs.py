@@ -85,10 +85,10 @@ def measure_verify_cost(target, prompt_ids: Tensor, sizes: list[int], *, tree: b
 
 @torch.inference_mode()
 def measure_draft_cost(target, proposer, prompt_ids: Tensor, lengths: list[int], sampling: Sampling,
-                       repeats: int = 7) -> dict[int, float]:
+                       repeats: int = 7, trees: dict[str, TreeSpec] | None = None) -> dict:
     """Seconds of `proposer.propose` for a chain of k (k in lengths) on the committed prompt, median of repeats
-    (interleaved passes over every length).
-    The proposer is reset and committed to the prompt as the evaluator does after a prefill."""
+    (interleaved passes over every length), keyed by k; trees: more shapes to time in the same passes, keyed by
+    their names. The proposer is reset and committed to the prompt as the evaluator does after a prefill."""
     device = target.device
     layers = tuple(proposer.feature_layers)
     prompt = prompt_ids.to(device).long()
@@ -100,8 +100,9 @@ def measure_draft_cost(target, proposer, prompt_ids: Tensor, lengths: list[int],
     features = target_features(out.hidden_states, layers)[0] if layers else None
     proposer.commit(out.logits[0, -1].argmax().reshape(1), features)
     generator = torch.Generator(device=device).manual_seed(0)
-    return _timed_interleaved({k: (lambda k=k: proposer.propose(TreeSpec(kind="chain", draft_length=k), sampling,
-                                                                generator)) for k in lengths}, repeats)
+    shapes = {**{k: TreeSpec(kind="chain", draft_length=k) for k in lengths}, **(trees or {})}
+    return _timed_interleaved({key: (lambda spec=spec: proposer.propose(spec, sampling, generator))
+                               for key, spec in shapes.items()}, repeats)
 
 
 def expected_tokens(per_position: list[float], k: int) -> float:

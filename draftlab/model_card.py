@@ -21,6 +21,7 @@ REPORTS_DIR = "eval_reports"     # extra `--eval` reports, inside NATIVE_DIR
 FORMAT_NAMES = {"eagle": "the official EAGLE-1/2 layout (SafeAILab/EAGLE)",
                 "speculators": "the speculators format (vllm-project/speculators) that vLLM serves",
                 "medusa": "the Medusa heads layout (FasterDecoding/Medusa, TGI)",
+                "gumiho": "the official Gumiho layout (AMD-AIG-AIMA/Gumiho)",
                 "hf": "a standard transformers model folder", "draftlab": "the draftlab checkpoint only"}
 PLOT_NAME = "acceptance.png"
 
@@ -216,6 +217,19 @@ def usage(meta: dict, reports) -> dict[str, str]:
                                        "return_tensors=\"pt\")\n"
                                        "out = model.generate(**inputs, max_new_tokens=128)"))
         return out
+    if fmt_ == "gumiho":
+        fit = ("" if details.get("reference_shape", True) else " This head's shape (serial_tokens "
+               f"{details.get('serial_tokens')}, mlp_layers {details.get('mlp_layers')}) is not the one the reference "
+               "code builds (2 and 5), so it loads only in draftlab.")
+        if details.get("draft_vocab"):
+            fit += (" It was trained on a draft vocabulary of "
+                    f"{details['draft_vocab']} tokens, which the reference code does not have: it drafts over the "
+                    "full vocabulary with the same weights, so its drafts may differ from draftlab's.")
+        return {"vLLM": "Not supported by upstream vLLM as exported (it has no Gumiho drafter).",
+                "SGLang": "Not supported by SGLang (it has no Gumiho drafter).", "transformers": no_tf,
+                "official Gumiho code": "The reference code (AMD-AIG-AIMA/Gumiho, gumiho/model/gumiho_model.py) reads "
+                f"pytorch_model.bin from this folder, with `--mlp_num {details.get('mlp_heads')}` and a depth of "
+                f"serial tokens + MLP heads on its command line." + fit}
     if fmt_ == "hf":
         head_note = ("The acceptance head (acceptance_head/) sets the draft length adaptively (SpecDec++) only in "
                      "draftlab (`draftlab eval --checkpoint`); the engines below draft a fixed number of tokens with "

@@ -3,11 +3,13 @@
 from draftlab.drafters.acceptance import AcceptanceHead
 from draftlab.drafters.eagle import EagleHead
 from draftlab.drafters.eagle3 import EagleHead3
+from draftlab.drafters.gumiho import GumihoHeads
 from draftlab.drafters.medusa import MedusaHeads
 from draftlab.drafters.medusa2 import Medusa2Lora
 from draftlab.drafters.small_lm import SmallLM
 
-DRAFTERS = {cls.kind: cls for cls in (EagleHead, EagleHead3, MedusaHeads, Medusa2Lora, SmallLM, AcceptanceHead)}
+DRAFTERS = {cls.kind: cls for cls in (EagleHead, EagleHead3, GumihoHeads, MedusaHeads, Medusa2Lora, SmallLM,
+                                                 AcceptanceHead)}
 CONFIGS = {kind: cls.config_class for kind, cls in DRAFTERS.items()}
 
 

@@ -104,6 +104,20 @@ def own_feature_steps(head: nn.Module, first: Tensor, input_ids: Tensor, valid: 
     return outputs
 
 
+def ahead(features: Tensor, wanted: Tensor, docs: Tensor, valid: Tensor, offset: int) -> tuple[Tensor, Tensor]:
+    """What slot t is scored on when it drafts `offset` tokens past the next one: the target feature
+    f_{t+1+offset} [B,n,d] (zeros past the row) and its weight [B,n] (float), 1 where slot t is a real pair
+    (valid [B,n]) and x_{t+2+offset} is an assistant token (wanted [B,T]) of the same conversation (docs [B,T]).
+    features [B,T,d] = f_0..f_{T-1}, n = T-1."""
+    n = valid.shape[1]
+    target = features.new_zeros(features.shape[0], n, features.shape[-1])
+    target[:, : max(n - offset, 0)] = features[:, 1 + offset:]
+    weight = torch.zeros_like(valid, dtype=features.dtype)
+    if n - 1 - offset > 0:
+        weight[:, : n - 1 - offset] = (wanted[:, 2 + offset:] & packing.same_doc(docs, 2 + offset)).to(features.dtype)
+    return target, weight * valid
+
+
 class EagleHead(nn.Module):
     """FC([emb(x_{t+1}); f_t]) -> Llama decoder layer(s) -> f^_{t+1}; tokens via the target's frozen LM head.
 
@@ -178,27 +192,27 @@ class EagleHead(nn.Module):
     # --- construction -------------------------------------------------------------------------------------
     @classmethod
     def from_target(cls, target, cfg=None) -> "EagleHead":
-        """cfg: an EagleConfig node or any object with its fields (missing ones and None = the defaults)."""
-        return cls(target, **settings(EagleConfig, cfg))
+        """cfg: a config_class node or any object with its fields (missing ones and None = the defaults)."""
+        return cls(target, **settings(cls.config_class, cfg))
 
     def drafter_config(self) -> dict:
         """JSON-able: kind, hyper-parameters, and the fingerprint of the target it was built on."""
         return {"kind": self.kind, "feature_layers": list(self.feature_layers),
-                **{k: getattr(self, k) for k in setting_names(EagleConfig)}, "target": dict(self.target_fingerprint),
+                **{k: getattr(self, k) for k in setting_names(self.config_class)}, "target": dict(self.target_fingerprint),
                 "draft_vocab": self.draft_head.draft_vocab.tolist() if self.draft_head.reduced else None}
 
     @classmethod
     def from_config(cls, config: dict, target) -> "EagleHead":
         """Rebuild (untrained weights) from `drafter_config()` output; load the state dict afterwards."""
         check_target_size(cls.kind, config.get("target") or {}, target)
-        own = {k: v for k, v in settings(EagleConfig, config).items() if k != "init_from_target"}
+        own = {k: v for k, v in settings(cls.config_class, config).items() if k != "init_from_target"}
         return cls(target, **own, draft_vocab=config.get("draft_vocab"))
 
     def prepare(self, dataset) -> None:
         """Choose the draft vocabulary (drafter.draft_vocab_size) from the training rows' assistant tokens."""
         if self.draft_vocab_size:
             self.draft_head.set_vocab(vocab.choose(vocab.assistant_token_counts(dataset), self.draft_vocab_size,
-                                             self.vocab_size, who="eagle"))
+                                             self.vocab_size, who=self.kind))
 
     def checkpoint_tensors(self) -> dict[str, dict[str, Tensor]]:
         return self.draft_head.maps()
@@ -209,9 +223,7 @@ class EagleHead(nn.Module):
         """features [B,S,d] (f_t), input_ids [B,S] (x_{t+1}), position_ids [B,S], attention_mask: additive
         [B,1,S,K] with K = cached pairs + S (None: attend to everything), cache: the head's KV cache, extended
         in place. Returns the predicted next features f^_{t+1}, [B,S,d]."""
-        dtype = self.fc.weight.dtype
-        emb = self._borrowed.embed(input_ids).to(dtype)
-        hidden = self.fc(torch.cat([emb, features.to(dtype)], dim=-1))
+        hidden = self.fuse(features, input_ids)
         position_embeddings = self._borrowed.rotary(hidden, position_ids)
         if attention_mask is not None:
             attention_mask = attention_mask.to(hidden.dtype)
@@ -220,6 +232,12 @@ class EagleHead(nn.Module):
                         use_cache=cache is not None, position_embeddings=position_embeddings)
             hidden = out[0] if isinstance(out, tuple) else out
         return hidden
+
+    def fuse(self, features: Tensor, input_ids: Tensor) -> Tensor:
+        """FC([emb(x_{t+1}); f_t]): features [..., d], input_ids [...] -> the decoder's input [..., d]."""
+        dtype = self.fc.weight.dtype
+        emb = self._borrowed.embed(input_ids).to(dtype)
+        return self.fc(torch.cat([emb, features.to(dtype)], dim=-1))
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., d] -> logits [..., V] through the target's frozen LM head (-inf outside a draft vocabulary)."""
@@ -241,13 +259,12 @@ class EagleHead(nn.Module):
         """batch: input_ids, attention_mask, loss_mask [B,T]; features [B,T,d] = target features f_t.
         Returns the sum over harmonized steps j of reg_weight * L_reg + cls_weight * L_cls (+ topk_weight * L_topk),
         see the module docstring for the alignment; one step is plain EAGLE training."""
-        from draftlab.losses import masked_smooth_l1, soft_cross_entropy, topk_cross_entropy
+        from draftlab.losses import topk_cross_entropy
 
         ids, docs = batch["input_ids"], packing.doc_ids(batch)
         features = features.to(self.fc.weight.dtype)
         valid = packing.same_doc(docs, 1)                  # [B,T-1]: f_t and x_{t+1} real, in one conversation
         wanted = batch["loss_mask"].bool() & (docs > 0)
-        n = valid.shape[1]
 
         inputs = features[:, :-1]
         if self.training and self.feature_noise > 0:
@@ -256,31 +273,38 @@ class EagleHead(nn.Module):
         total, metrics = features.new_zeros(()), {}
         for j, pred in enumerate(outputs):
             # step j, slot t: o^{(j)}_t predicts f_{t+1+j} and drafts x_{t+2+j}, which must be an assistant token
-            target = torch.zeros_like(pred)
-            target[:, : n - j] = features[:, 1 + j:]
-            weight = torch.zeros_like(valid, dtype=features.dtype)
-            if n - 1 - j > 0:   # x_{t+2+j}: an assistant token of slot t's conversation
-                weight[:, : n - 1 - j] = (wanted[:, 2 + j:] & packing.same_doc(docs, 2 + j)).to(features.dtype)
-            weight = weight * valid
-            loss_reg = masked_smooth_l1(pred.float(), target.float(), weight)
-            # The vocabulary projection dominates the step: run it only where the loss looks ([N, V], N = pairs).
-            keep = weight > 0
-            # Over a draft vocabulary both sides use its rows only: the target's distribution renormalised on it.
-            logits = self.draft_head.small(pred[keep])[None]
-            with torch.no_grad():
-                target_logits = self.draft_head.small(target[keep])[None]
-            sel_weight = weight[keep][None]
-            loss_cls = soft_cross_entropy(logits, target_logits, sel_weight)
+            target, weight = ahead(features, wanted, docs, valid, j)
+            terms = self.feature_terms(pred, target, weight)
+            loss_reg, loss_cls, acc = terms.reg, terms.cls, terms.acc
             step_loss = self.reg_weight * loss_reg + self.cls_weight * loss_cls
             if self.topk_weight > 0:     # HASS: extra weight on the target's top-10 tokens
-                step_loss = step_loss + self.topk_weight * topk_cross_entropy(logits, target_logits, sel_weight, 10)
+                step_loss = step_loss + self.topk_weight * topk_cross_entropy(terms.logits, terms.target_logits,
+                                                                              terms.weight, 10)
             total = total + step_loss
-            agree = (logits.argmax(-1) == target_logits.argmax(-1)).to(weight.dtype)
-            acc = (agree * sel_weight).sum() / sel_weight.sum().clamp(min=1)
             suffix = "" if j == 0 else f"_{j}"
             metrics.update({f"loss_reg{suffix}": loss_reg.item(), f"loss_cls{suffix}": loss_cls.item(),
                             f"acc{suffix}": acc.item()})
         return total, metrics
+
+    def feature_terms(self, pred: Tensor, target: Tensor, weight: Tensor) -> SimpleNamespace:
+        """The two EAGLE terms of predicted features pred [B,n,d] against target features [B,n,d], weighted by
+        weight [B,n] (0 = not counted): reg (SmoothL1), cls (soft CE of lm_head(pred) against softmax(lm_head(
+        target))), acc (argmax agreement), and the selected logits / target_logits [1,N,Vd] and weight [1,N]."""
+        from draftlab.losses import masked_smooth_l1, soft_cross_entropy
+
+        loss_reg = masked_smooth_l1(pred.float(), target.float(), weight)
+        # The vocabulary projection dominates the step: run it only where the loss looks ([N, V], N = pairs).
+        keep = weight > 0
+        # Over a draft vocabulary both sides use its rows only: the target's distribution renormalised on it.
+        logits = self.draft_head.small(pred[keep])[None]
+        with torch.no_grad():
+            target_logits = self.draft_head.small(target[keep])[None]
+        sel_weight = weight[keep][None]
+        loss_cls = soft_cross_entropy(logits, target_logits, sel_weight)
+        agree = (logits.argmax(-1) == target_logits.argmax(-1)).to(weight.dtype)
+        acc = (agree * sel_weight).sum() / sel_weight.sum().clamp(min=1)
+        return SimpleNamespace(reg=loss_reg, cls=loss_cls, acc=acc, logits=logits, target_logits=target_logits,
+                               weight=sel_weight)
 
     def proposer(self, target=None, **opts) -> "EagleProposer":
         return EagleProposer(self, **opts)

@@ -13,7 +13,8 @@ from dataclasses import MISSING, dataclass, fields
 @dataclass
 class DrafterConfig:
     kind: str = "eagle"
-    """Drafter kind: one of draftlab.drafters.DRAFTERS (eagle, eagle3, medusa, medusa2, small_lm, acceptance)."""
+    """Drafter kind: one of draftlab.drafters.DRAFTERS (eagle, eagle3, gumiho, medusa, medusa2, small_lm,
+    acceptance)."""
 
     @staticmethod
     def run_problem(cfg) -> str | None:
