@@ -35,7 +35,7 @@ CACHE = ROOT / "bench" / "results" / "cache" / "disco"
 OUT = ROOT / "bench" / "results" / "disco"
 TRAIN = ROOT / "data_prep" / "prompts" / "train_prompts_small.jsonl"
 SETS = {"mtbench": SHARED / "mtbench.jsonl", "heldout": ROOT / "data_prep" / "prompts" / "heldout_train_dist.jsonl"}
-CHECKPOINT = ROOT.parent / "main" / "checkpoints" / "peer_ablation" / "base"
+CHECKPOINT = ROOT / "checkpoints" / "peer_ablation" / "base"
 
 
 def log(msg: str) -> None:

@@ -37,7 +37,7 @@ CACHE = ROOT / "bench" / "results" / "cache" / "online_update"
 OUT = ROOT / "bench" / "results" / "online_update"
 CODING = SHARED / "humaneval_a.jsonl"
 GENERAL = SHARED / "mtbench.jsonl"
-CHECKPOINT = ROOT.parent / "main" / "checkpoints" / "peer_ablation" / "base"
+CHECKPOINT = ROOT / "checkpoints" / "peer_ablation" / "base"
 
 
 def log(msg: str) -> None:
