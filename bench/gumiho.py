@@ -194,9 +194,11 @@ def stage_report(args, target) -> None:
                              "train_loop_seconds": record["train_loop_seconds"],
                              "trainable_parameters": trainable(label, target)})
     made = CACHE / "command.txt"          # the command whose stages made the figures (report may run later)
+    scored = CACHE / "baseline_mtbench.json"   # the answer length the evaluations used, whatever report was given
+    max_new = json.loads(scored.read_text())["max_new_tokens"] if scored.is_file() else args.max_new_tokens
     header = {"command": made.read_text().strip() if made.is_file() else args.command_line, "target": args.target, "conversations": args.conversations,
               "epochs": args.epochs, "lr": args.lr, "seed": args.seed, "draft_vocab_size": args.vocab,
-              "max_new_tokens": args.max_new_tokens, "shapes": SHAPES,
+              "max_new_tokens": max_new, "shapes": SHAPES,
               "drafters": {k: {"recipe": r, "overrides": o} for k, (r, o) in DRAFTERS.items()},
               "cost": {k: cost[k] for k in ("prompts", "repeats", "load_average")},
               "chain_cost_ms": cost["ms_median_over_prompts"], "seeds": 1}
