@@ -30,9 +30,9 @@ What draftlab builds:
   otherwise the weights go back to the current checkpoint's. So `out/best` never moves to a worse-scoring drafter.
 * Resumable: after each update `out/serve_learn.pt` (written, then renamed) holds the log and drafter it learns
   from, the update counter, the conversations consumed (with a digest of them), the published step and its tau, the
-  optimizer and the random states (batch draws, feature noise). A rerun with the same --out reads the log from the start, refills
-  the replay buffer from the consumed conversations (the buffer is always the last `replay` of them) and updates
-  only on the ones after: it ends where one uninterrupted run would.
+  optimizer and the random states (batch draws, feature noise). A rerun with the same --out reads the log from the
+  start, refills the replay buffer from the consumed conversations (the buffer is always the last `replay` of
+  them) and updates only on the ones after: it ends where one uninterrupted run would.
 """
 from __future__ import annotations
 
@@ -213,7 +213,10 @@ def read_state(out_dir: str | Path, source: dict) -> dict | None:
     path = Path(out_dir) / STATE_NAME
     if not path.is_file():
         return None
-    state = torch.load(path, weights_only=True)
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:
+        raise ConfigError(f"--out {out_dir}: {path} is unreadable ({type(e).__name__}): give a new --out") from None
     for key, what in (("rounds", "round log"), ("checkpoint", "drafter")):
         if key in source and state["source"].get(key) != source[key]:
             raise ConfigError(f"--out {out_dir} learns from {what} {state['source'].get(key)}, not {source[key]}: "

@@ -24,10 +24,10 @@ Format version 1. Every line is one JSON object with these keys (the `Round` dat
     target_topk_logprobs  distribution (log-probabilities, descending) for new token r, where the round's new tokens
                           are [tokens[i] for i in accepted] + [bonus]; so there are len(accepted) + 1 rows
     sampling              {"temperature", "top_p", "top_k"} applied to draft and target in that round
-    drafter               optional, in round 0 rows only: {"checkpoint", "kind", "target"} of the drafter that drafted
-                          (its checkpoint folder or label, its kind, the target's fingerprint: target.target_fingerprint)
-                          so that what is trained from the log (DISCO's classifier) can be checked against what uses it;
-                          logs without it still read
+    drafter               optional, in round 0 rows only: {"checkpoint", "kind", "target"} of the drafter that
+                          drafted (its checkpoint folder or label, its kind, target.target_fingerprint of the target),
+                          so that what is trained from the log (DISCO's classifier) can be checked against what uses
+                          it; logs without it still read
 
 A prompt's committed sequence is prompt_ids + [round 0's root] + every round's new tokens in order; a round's
 `context` is where its new tokens start. A round yields len(accepted) + 1 tokens, so over a prompt set the sum of

@@ -146,7 +146,8 @@ def test_a_resumed_learner_ends_where_an_uninterrupted_one_does(tiny_target, ser
         online.OnlineLearner(drafter, model, tmp_path / "split", Scripted([]), cfg,
                              source={**source, "rounds": str(tmp_path / "other.jsonl")})
     with pytest.raises(online.DataError, match="not the ones"):       # same path, other conversations
-        online.OnlineLearner(drafter, model, tmp_path / "split", Scripted([]), cfg, source=source).add(convs[1:] + convs[:1])
+        resumed = online.OnlineLearner(drafter, model, tmp_path / "split", Scripted([]), cfg, source=source)
+        resumed.add(convs[1:] + convs[:1])
 
 
 @pytest.mark.parametrize("kind", ["small_lm", "eagle"])
