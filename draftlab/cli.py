@@ -121,6 +121,7 @@ def cmd_eval(argv: list[str]) -> None:
     from draftlab.evaluator import evaluate
     from draftlab.hub import checkpoint_target
     from draftlab.report import report_markdown, save_plots, summary_line, write_report
+    from draftlab.rounds import drafter_identity
     from draftlab.target import eos_ids, load_target
     from draftlab.trees import TreeSpec
     from draftlab.verify import Sampling
@@ -197,10 +198,17 @@ def cmd_eval(argv: list[str]) -> None:
         label = f"{foreign.label} ({foreign.kind} format)" if foreign else str(folder)
         if args.lookup_first:
             label += f" + prompt lookup first (n >= {args.lookup_first})"
+        identity = drafter_identity(foreign.label if foreign else str(folder.resolve()),
+                                    foreign.kind if foreign else drafter.kind, target)
     else:
         from draftlab.proposers import PromptLookupProposer
 
         proposer, label = PromptLookupProposer(), "prompt_lookup"
+        identity = drafter_identity(None, "prompt_lookup", target)
+    if use_disco:     # before any decoding: a classifier from another target's rounds is refused
+        warning = disco.check_drafter(classifier.info, identity, args.disco)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     sampling = Sampling(temperature=args.temperature, top_p=args.top_p, top_k=args.sampling_top_k)
     eos = eos_ids(tokenizer, target)
     conversations, categories = conversations_for_turns(prompts, args.turns, target, tokenizer, args.max_new_tokens, eos)
@@ -236,7 +244,7 @@ def cmd_eval(argv: list[str]) -> None:
     else:
         from draftlab.rounds import RoundLog
 
-        log = RoundLog(args.log_rounds, args.log_topk) if args.log_rounds else None
+        log = RoundLog(args.log_rounds, args.log_topk, drafter=identity) if args.log_rounds else None
         try:
             report = evaluate(target, proposer, prompt_ids, spec=spec, sampling=sampling,
                               max_new_tokens=args.max_new_tokens, eos_token_ids=eos,

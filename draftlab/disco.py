@@ -36,6 +36,9 @@ What draftlab builds (and where it departs from the paper):
   varying p it is a one-step-informed look-ahead. The first token is always drafted, as in SpecDec++'s rule.
 * Any chain drafter whose proposer drafts through `drafting` (eagle, eagle3, medusa, small_lm, ...) can be wrapped
   (`DiscoProposer`); trees are drafted by the drafter itself, unchanged.
+* disco.json records the drafter the round log names (`rounds.drafter_identity`: checkpoint, kind, target
+  fingerprint). `eval --draft-length disco` refuses a classifier trained against another target and warns when it
+  stops another drafter checkpoint than the one whose rounds taught it (`check_drafter`).
 """
 from __future__ import annotations
 
@@ -80,6 +83,34 @@ def examples_from_rounds(rows) -> tuple[Tensor, Tensor]:
         raise DataError("the round log has no draft_stats on any judged draft token: log rounds of a model-based "
                         "drafter (draftlab eval --checkpoint ... --log-rounds FILE), not prompt lookup")
     return torch.tensor(xs, dtype=torch.float32), torch.tensor(ys, dtype=torch.float32)
+
+
+def logged_drafter(rows) -> dict | None:
+    """The drafter identity the round-0 rows name (None when the log predates the key); rows of several drafters
+    are a DataError."""
+    named = {json.dumps(row.drafter, sort_keys=True) for row in rows if row.drafter is not None}
+    if len(named) > 1:
+        raise DataError(f"the round logs come from {len(named)} different drafters or targets: train one classifier "
+                        "per drafter")
+    return json.loads(named.pop()) if named else None
+
+
+def check_drafter(info: dict, identity: dict, where: str) -> str | None:
+    """info: a classifier's disco.json; identity: the drafter it is about to stop (`rounds.drafter_identity`).
+    Another target is a CheckpointError; another drafter checkpoint gives a warning line to print (None when it is
+    the same, or when the classifier records no drafter)."""
+    from draftlab.target import check_fingerprint
+
+    logged = info.get("drafter")
+    if not logged:
+        return None
+    check_fingerprint(logged.get("target") or {}, identity["target"], f"--disco {where} (trained from rounds of "
+                      f"{logged.get('checkpoint')})", "train a classifier from rounds logged with this target",
+                      CheckpointError)
+    if (logged.get("checkpoint"), logged.get("kind")) == (identity["checkpoint"], identity["kind"]):
+        return None
+    return (f"draftlab: warning: --disco {where} was trained from rounds of {logged.get('kind')} drafter "
+            f"{logged.get('checkpoint')}, not of {identity['checkpoint']}: its stops may suit this drafter less well")
 
 
 # --- the classifier -----------------------------------------------------------------------------------------------
@@ -337,10 +368,11 @@ def cmd_disco(argv: list[str]) -> None:
             raise DataError(f"--{name} {getattr(args, name)}: give at least 1")
     rows = [row for path in args.rounds for row in read_rounds(path)]
     x, y = examples_from_rounds(rows)
+    drafter = logged_drafter(rows)
     model, history = train_classifier(x, y, hidden=args.hidden, layers=args.layers, steps=args.steps, lr=args.lr,
                                       seed=args.seed)
     losses = history.pop("train_loss")
-    info = {"rounds": [str(r) for r in args.rounds], "round_rows": len(rows),
+    info = {"rounds": [str(r) for r in args.rounds], "round_rows": len(rows), "drafter": drafter,
             "train_loss_first": losses[0], "train_loss_last": losses[-1], **history}
     save_classifier(model, args.out, info)
     val = f", validation loss {history['val_loss']:.3f}, accuracy {history['val_accuracy']:.3f}" \

@@ -28,10 +28,17 @@ What draftlab builds:
 * A gate on measured tau, not loss: after each update the candidate speculates greedily on a held-out prompt slice;
   it becomes the published checkpoint (`out/step_N`, `out/best`) only when its tau is at least the current one's,
   otherwise the weights go back to the current checkpoint's. So `out/best` never moves to a worse-scoring drafter.
+* Resumable: after each update `out/serve_learn.pt` (written, then renamed) holds the log and drafter it learns
+  from, the update counter, the conversations consumed (with a digest of them), the published step and its tau, the
+  optimizer and the random states (batch draws, feature noise). A rerun with the same --out reads the log from the
+  start, refills the replay buffer from the consumed conversations (the buffer is always the last `replay` of
+  them) and updates only on the ones after: it ends where one uninterrupted run would.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
 import time
 from collections import deque
@@ -43,6 +50,8 @@ from torch import Tensor
 
 from draftlab.errors import ConfigError, DataError
 from draftlab.rounds import parse_row
+
+STATE_NAME = "serve_learn.pt"
 
 
 @dataclass
@@ -198,24 +207,83 @@ class OnlineConfig:
     """Seed of the batch draws."""
 
 
+def read_state(out_dir: str | Path, source: dict) -> dict | None:
+    """The saved learner state of a serve-learn --out (None when there is none). source: {"rounds", "checkpoint"}
+    of this run; another log or drafter than the recorded one is a ConfigError."""
+    path = Path(out_dir) / STATE_NAME
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:
+        raise ConfigError(f"--out {out_dir}: {path} is unreadable ({type(e).__name__}): give a new --out") from None
+    for key, what in (("rounds", "round log"), ("checkpoint", "drafter")):
+        if key in source and state["source"].get(key) != source[key]:
+            raise ConfigError(f"--out {out_dir} learns from {what} {state['source'].get(key)}, not {source[key]}: "
+                              f"rerun with that --{key}, or give a new --out")
+    return state
+
+
+def _digest(previous: str, conv: Conversation) -> str:
+    """A running hash of the consumed conversations: a rerun checks that its log starts with the same ones."""
+    return hashlib.sha256(f"{previous}|{conv.prompt}|{conv.ids}".encode()).hexdigest()[:16]
+
+
 class OnlineLearner:
-    """Updates `drafter` from served conversations and publishes gated checkpoints in `out_dir`.
+    """Updates `drafter` from served conversations and publishes gated checkpoints in `out_dir`; continues the
+    learner saved there, if any (module docstring).
 
-    score(drafter) -> tau on the held-out slice (measured_tau with fixed prompts, or any function in tests)."""
+    score(drafter) -> tau on the held-out slice (measured_tau with fixed prompts, or any function in tests).
+    source: what the run learns from ({"rounds": log, "checkpoint": drafter}), recorded and checked on resuming."""
 
-    def __init__(self, drafter, target, out_dir: str | Path, score, cfg: OnlineConfig, pad_id: int = 0):
+    def __init__(self, drafter, target, out_dir: str | Path, score, cfg: OnlineConfig, pad_id: int = 0,
+                 source: dict | None = None):
         self.drafter, self.target, self.out, self.score, self.cfg, self.pad_id = drafter, target, Path(out_dir), \
             score, cfg, pad_id
+        self.source = source or {}
         self.params = [p for p in drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr)
         self.fresh: list[Conversation] = []
         self.buffer: deque[Conversation] = deque(maxlen=cfg.replay)
         self.rng = random.Random(cfg.seed)
-        self.updates, self.seen = 0, 0
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.current_tau = score(drafter)
-        self.current_state = self._state()
-        self._publish(0, self.current_tau, {"update": 0, "conversations": 0})
+        self.updates, self.seen, self.digest = 0, 0, ""
+        self.skip, self.skip_digest = 0, ""       # on resuming: conversations the saved learner already consumed
+        state = read_state(self.out, self.source)
+        if state is None:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.current_tau = score(drafter)
+            self.current_state = self._state()
+            self._publish(0, self.current_tau, {"update": 0, "conversations": 0})
+            self._save()
+        else:
+            self._resume(state)
+
+    def _save(self) -> None:
+        """Everything a rerun needs to continue, written to a temporary file and then renamed over the old one."""
+        path = self.out / STATE_NAME
+        torch.save({"source": self.source, "updates": self.updates, "conversations": self.seen,
+                    "digest": self.digest, "current_tau": self.current_tau,
+                    "published": (self.out / "best").read_text().strip(), "optimizer": self.optimizer.state_dict(),
+                    "rng": self.rng.getstate(), "torch_rng": torch.get_rng_state(),     # torch's: feature noise
+                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                   path.with_name(path.name + ".tmp"))
+        os.replace(path.with_name(path.name + ".tmp"), path)
+
+    def _resume(self, state: dict) -> None:
+        from safetensors.torch import load_file
+
+        from draftlab.checkpoint import WEIGHTS_NAME
+
+        self.drafter.load_state_dict(load_file(str(self.out / state["published"] / WEIGHTS_NAME)), strict=False)
+        self.current_tau, self.current_state = state["current_tau"], self._state()
+        self.optimizer.load_state_dict(state["optimizer"])
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss))
+        torch.set_rng_state(state["torch_rng"])
+        if state["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        self.updates, self.seen, self.digest = state["updates"], state["conversations"], state["digest"]
+        self.skip = self.seen
 
     def _state(self) -> dict:
         """The weights a checkpoint holds (frozen pieces taken from the target stay out)."""
@@ -233,10 +301,20 @@ class OnlineLearner:
 
     def add(self, convs: list[Conversation]) -> None:
         for conv in convs:
+            if self.skip:          # consumed before the rerun: back into the replay buffer, not trained on again
+                self._skip(conv)
+                continue
             self.fresh.append(conv)
             self.seen += 1
             if len(self.fresh) >= self.cfg.update_every:
                 self.update()
+
+    def _skip(self, conv: Conversation) -> None:
+        self.buffer.append(conv)
+        self.skip_digest, self.skip = _digest(self.skip_digest, conv), self.skip - 1
+        if not self.skip and self.skip_digest != self.digest:
+            raise DataError(f"round log {self.source.get('rounds', '')}: its first {self.seen} conversations are not "
+                            f"the ones --out {self.out} learned from: give a new --out for a new log")
 
     def _batch(self) -> list[Conversation]:
         n = self.cfg.batch_size
@@ -273,8 +351,11 @@ class OnlineLearner:
         else:      # back to the published weights; the optimizer's moments belonged to the rejected steps
             self.drafter.load_state_dict(self.current_state, strict=False)
             self.optimizer = torch.optim.AdamW(self.params, lr=self.cfg.lr)
+        for conv in self.fresh:
+            self.digest = _digest(self.digest, conv)
         self.buffer.extend(self.fresh)
         self.fresh = []
+        self._save()
         with open(self.out / "online.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
         return record
@@ -290,7 +371,8 @@ def cmd_serve_learn(argv: list[str]) -> None:
     p.add_argument("--checkpoint", required=True, help="the served drafter (run or step folder)")
     p.add_argument("--rounds", required=True, help="round log to follow")
     p.add_argument("--heldout", required=True, help="JSONL prompts for the gate (none of them served)")
-    p.add_argument("--out", required=True, help="new folder: step_N checkpoints, best, online.jsonl")
+    p.add_argument("--out", required=True, help="new folder (step_N checkpoints, best, online.jsonl, "
+                   f"{STATE_NAME}), or the --out of an earlier run on the same log and drafter: continue it")
     p.add_argument("--target", default=None, help="default: the checkpoint's")
     p.add_argument("--num-heldout", type=int, default=8)
     p.add_argument("--draft-length", type=int, default=5)
@@ -309,8 +391,8 @@ def cmd_serve_learn(argv: list[str]) -> None:
     if not 0.0 <= args.replay_share <= 1.0 or args.lr <= 0:
         raise ConfigError("--replay-share must be in [0, 1] and --lr above 0")
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"--out {out} is not empty: give a new folder (its checkpoints are kept)")
+    if out.exists() and any(out.iterdir()) and not (out / STATE_NAME).is_file():
+        raise ConfigError(f"--out {out} is not empty and not a serve-learn folder (no {STATE_NAME}): give a new folder")
     if not args.follow and not Path(args.rounds).is_file():
         raise DataError(f"round log {args.rounds} not found: write one with draftlab eval --log-rounds (or pass "
                         "--follow to wait for it)")
@@ -322,6 +404,8 @@ def cmd_serve_learn(argv: list[str]) -> None:
     from draftlab.train import pad_id
 
     folder = resolve_checkpoint(args.checkpoint)
+    source = {"rounds": str(Path(args.rounds).resolve()), "checkpoint": str(folder.resolve())}
+    read_state(out, source)                                 # another log or drafter fails before the model loads
     heldout = load_prompts(args.heldout, limit=args.num_heldout)
     target, tokenizer = load_target(args.target or checkpoint_target(folder), "auto", "auto")
     drafter = load_drafter(folder, target)
@@ -330,9 +414,11 @@ def cmd_serve_learn(argv: list[str]) -> None:
     score = lambda d: measured_tau(target, d, prompts, args.draft_length, args.max_new_tokens, eos)
     cfg = OnlineConfig(**{k: getattr(args, k) for k in ("lr", "update_every", "steps", "batch_size", "replay",
                                                         "replay_share", "seed")})
-    learner = OnlineLearner(drafter, target, out, score, cfg, pad_id(tokenizer))
-    print(f"serve-learn: {folder} scores tau {learner.current_tau:.3f} on {len(prompts)} held-out prompts; following "
-          f"{args.rounds}", flush=True)
+    learner = OnlineLearner(drafter, target, out, score, cfg, pad_id(tokenizer), source)
+    published = f"{out / (out / 'best').read_text().strip()} (continued after {learner.updates} updates on " \
+        f"{learner.seen} conversations)" if learner.skip else folder
+    print(f"serve-learn: {published} scores tau {learner.current_tau:.3f} on {len(prompts)} held-out prompts; "
+          f"following {args.rounds}", flush=True)
     follower = LogFollower(args.rounds)
     idle = time.monotonic()
     while True:
@@ -345,6 +431,9 @@ def cmd_serve_learn(argv: list[str]) -> None:
         else:
             time.sleep(args.poll_seconds)
     learner.add(follower.finish())
+    if learner.skip:
+        raise DataError(f"round log {args.rounds} holds fewer conversations than the {learner.seen} --out {out} "
+                        "already learned from: give a new --out for a new log")
     learner.update()
     print(f"serve-learn: {learner.seen} conversations, {learner.updates} updates; published "
           f"{(out / 'best').read_text().strip()} (tau {learner.current_tau:.3f})", flush=True)

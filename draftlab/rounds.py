@@ -24,6 +24,10 @@ Format version 1. Every line is one JSON object with these keys (the `Round` dat
     target_topk_logprobs  distribution (log-probabilities, descending) for new token r, where the round's new tokens
                           are [tokens[i] for i in accepted] + [bonus]; so there are len(accepted) + 1 rows
     sampling              {"temperature", "top_p", "top_k"} applied to draft and target in that round
+    drafter               optional, in round 0 rows only: {"checkpoint", "kind", "target"} of the drafter that
+                          drafted (its checkpoint folder or label, its kind, target.target_fingerprint of the target),
+                          so that what is trained from the log (DISCO's classifier) can be checked against what uses
+                          it; logs without it still read
 
 A prompt's committed sequence is prompt_ids + [round 0's root] + every round's new tokens in order; a round's
 `context` is where its new tokens start. A round yields len(accepted) + 1 tokens, so over a prompt set the sum of
@@ -68,7 +72,7 @@ class Round:
     target_topk_ids: list[list[int]]
     target_topk_logprobs: list[list[float]]
     sampling: dict
-
+    drafter: dict | None = None
     @property
     def new_tokens(self) -> list[int]:
         """The tokens this round appended: the accepted draft tokens, then the bonus."""
@@ -80,22 +84,30 @@ class Round:
         return [i for i, p in enumerate(self.parents) if p < 0 or p in path]
 
 
+def drafter_identity(checkpoint: str | None, kind: str, target) -> dict:
+    """The round log's `drafter` key: the drafter's checkpoint (folder or label; None for prompt lookup), its kind
+    and the target's fingerprint."""
+    from draftlab.target import target_fingerprint
+
+    return {"checkpoint": checkpoint, "kind": kind, "target": target_fingerprint(target, None)}
+
+
 def prompt_hash(ids: list[int]) -> str:
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
 class RoundLog:
     """Writes the round log of one evaluation to `path` (replaced if it exists; appended to with append=True).
-    `topk`: target top-k per position.
+    `topk`: target top-k per position; `drafter`: the drafter's identity (`drafter_identity`), written in round 0 rows.
 
     `for_prompt(i, prompt_ids)` gives the logger `speculative_generate` calls once per round; it also asks the
     proposer to record draft statistics while that prompt decodes (`drafting.STATS_FLAG`), and only then.
     """
 
-    def __init__(self, path: str | Path, topk: int = DEFAULT_TOPK, append: bool = False):
+    def __init__(self, path: str | Path, topk: int = DEFAULT_TOPK, append: bool = False, drafter: dict | None = None):
         if topk < 1:
             raise DataError(f"round log top-k {topk}: give at least 1")
-        self.path, self.topk, self.rows = Path(path), topk, 0
+        self.path, self.topk, self.rows, self.drafter = Path(path), topk, 0, drafter
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a" if append else "w")
 
@@ -103,7 +115,10 @@ class RoundLog:
         return PromptLog(self, index, prompt_ids.reshape(-1).tolist())
 
     def write(self, row: Round) -> None:
-        self.file.write(json.dumps(asdict(row)) + "\n")
+        data = asdict(row)
+        if data["drafter"] is None:       # the optional key only where it says something
+            del data["drafter"]
+        self.file.write(json.dumps(data) + "\n")
         self.file.flush()
         self.rows += 1
 
@@ -154,12 +169,13 @@ class PromptLog:
             prompt_ids=self.prompt_ids if self.rounds == 0 else None, context=context, root=root, tokens=tokens,
             parents=tree.parents.tolist(), q=q, draft_stats=stats, accepted=list(path), bonus=bonus,
             target_topk_ids=top.indices.tolist(), target_topk_logprobs=top.values.tolist(),
-            sampling=sampling.to_dict()))
+            sampling=sampling.to_dict(), drafter=self.log.drafter if self.rounds == 0 else None))
         self.rounds += 1
 
 
 # --- reading ---------------------------------------------------------------------------------------------------
 _KEYS = [f.name for f in fields(Round)]
+_OPTIONAL = ("drafter",)
 
 
 def _check(row: dict) -> str | None:
@@ -169,7 +185,7 @@ def _check(row: dict) -> str | None:
     if row.get("version") != FORMAT_VERSION:
         return (f"format version {row.get('version')!r}, this draftlab reads version {FORMAT_VERSION} "
                 "(write the log again with draftlab eval --log-rounds)")
-    missing = [k for k in _KEYS if k not in row]
+    missing = [k for k in _KEYS if k not in row and k not in _OPTIONAL]
     if missing:
         return f"missing key(s) {', '.join(missing)}"
     unknown = [k for k in row if k not in _KEYS]
@@ -201,6 +217,8 @@ def _check(row: dict) -> str | None:
         return "target_topk_ids / target_topk_logprobs need len(accepted) + 1 rows of equal, non-zero length"
     if not isinstance(row["sampling"], dict) or "temperature" not in row["sampling"]:
         return "sampling must be an object with temperature, top_p, top_k"
+    if row.get("drafter") is not None and not isinstance(row["drafter"], dict):
+        return "drafter must be null or an object (checkpoint, kind, target)"
     return None
 
 

@@ -13,7 +13,7 @@ from draftlab import disco
 from draftlab.errors import CheckpointError, DataError
 from draftlab.evaluator import evaluate, speculative_generate, target_generate
 from draftlab.proposers import CausalLMProposer
-from draftlab.rounds import RoundLog, read_rounds
+from draftlab.rounds import RoundLog, drafter_identity, read_rounds
 from draftlab.trees import TreeSpec
 from draftlab.verify import Sampling
 
@@ -97,7 +97,7 @@ def trained(tiny_target, prompts, noisy_copy, tmp_path_factory):
     """A round log of the noisy copy's chains of 6 and the classifier trained from it."""
     model, _ = tiny_target
     folder = tmp_path_factory.mktemp("disco")
-    with RoundLog(folder / "rounds.jsonl") as log:
+    with RoundLog(folder / "rounds.jsonl", drafter=drafter_identity("noisy_copy", "causal_lm", model)) as log:
         evaluate(model, CausalLMProposer(noisy_copy), prompts, spec=TreeSpec("chain", draft_length=6),
                  sampling=Sampling(), max_new_tokens=24, progress=False, log_rounds=log)
     x, y = disco.examples_from_rounds(read_rounds(folder / "rounds.jsonl"))
@@ -163,12 +163,16 @@ def test_cli_trains_and_evaluates_disco(tiny_target, tiny_target_dir, tiny_promp
     proc = run_cli("disco", "--rounds", str(folder / "rounds.jsonl"), "--out", str(tmp_path / "c"), "--steps", "50")
     assert proc.returncode == 0, proc.stderr
     assert "judged draft tokens" in proc.stdout and (tmp_path / "c" / disco.WEIGHTS_NAME).is_file()
+    logged = json.loads((tmp_path / "c" / disco.CONFIG_NAME).read_text())["drafter"]
+    assert logged["checkpoint"] == "noisy_copy" and logged["target"]["hidden_size"] == 64
     ckpt = folder / "step_0"
     out = tmp_path / "report.json"
     proc = run_cli("eval", "--checkpoint", str(ckpt), "--target", tiny_target_dir, "--prompts", tiny_prompt_file,
                    "--out", str(out), "--max-new-tokens", "12", "--num-prompts", "2", "--draft-length", "disco",
                    "--disco", str(tmp_path / "c"), "--max-draft-length", "4", "--calibration-prompts", "1")
     assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "warning" in line]   # another drafter's rounds
+    assert len(warnings) == 1 and "noisy_copy" in warnings[0] and str(ckpt.resolve()) in warnings[0]
     report = json.loads(out.read_text())
     assert report["lossless"] is True and report["adaptive"]["rule"] == "disco"
     assert report["draft_length"] == 4 and 1 <= report["mean_draft_length"] <= 4
@@ -176,9 +180,9 @@ def test_cli_trains_and_evaluates_disco(tiny_target, tiny_target_dir, tiny_promp
 
 
 @pytest.mark.parametrize("case", ["no_log", "bad_version", "no_classifier", "disco_without_path", "path_without_disco",
-                                  "disco_with_tree", "disco_with_lookup"])
-def test_bad_disco_input_is_one_line(case, trained, tiny_target_dir, tiny_prompt_file, tmp_path):
-    folder, _ = trained
+                                  "disco_with_tree", "disco_with_lookup", "other_target"])
+def test_bad_disco_input_is_one_line(case, trained, tiny_target, tiny_target_dir, tiny_prompt_file, tmp_path):
+    folder, classifier = trained
     if case in ("no_log", "bad_version"):
         log = tmp_path / "r.jsonl"
         if case == "bad_version":
@@ -187,17 +191,25 @@ def test_bad_disco_input_is_one_line(case, trained, tiny_target_dir, tiny_prompt
         proc = run_cli("disco", "--rounds", str(log), "--out", str(tmp_path / "c"))
         assert not (tmp_path / "c").exists()
     else:
+        if case == "other_target":    # trained from rounds of this drafter, against a target of another width
+            identity = drafter_identity(str((folder / "step_0").resolve()), "eagle", tiny_target[0])
+            identity["target"]["hidden_size"] = 96
+            disco.save_classifier(classifier, tmp_path / "other", {"drafter": identity})
         extra = {"no_classifier": ["--draft-length", "disco", "--disco", str(tmp_path / "nope")],
                  "disco_without_path": ["--draft-length", "disco"],
                  "path_without_disco": ["--disco", str(folder / "classifier")],
                  "disco_with_tree": ["--draft-length", "disco", "--disco", str(folder / "classifier"),
                                      "--tree", "dynamic"],
                  "disco_with_lookup": ["--draft-length", "disco", "--disco", str(folder / "classifier"),
-                                       "--lookup-first", "3"]}[case]
+                                       "--lookup-first", "3"],
+                 "other_target": ["--draft-length", "disco", "--disco", str(tmp_path / "other")]}[case]
         proc = run_cli("eval", "--checkpoint", str(folder / "step_0"), "--target", tiny_target_dir, "--prompts",
                        tiny_prompt_file, "--out", str(tmp_path / "r.json"), *extra)
         assert not (tmp_path / "r.json").exists()
     assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in proc.stderr     # one line (the target's loading bar aside, once it loads):
+    assert len([line for line in proc.stderr.strip().splitlines() if not line.startswith("Loading weights")]) == 1
     if case == "bad_version":
         assert "version 7" in proc.stderr
+    if case == "other_target":
+        assert "another target (hidden_size=96" in proc.stderr

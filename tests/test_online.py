@@ -113,6 +113,43 @@ def test_an_update_never_replaces_the_checkpoint_by_a_worse_scoring_one(tiny_tar
     assert not (tmp_path / "run" / "step_1").exists() and not (tmp_path / "run" / "step_3").exists()
 
 
+def test_a_resumed_learner_ends_where_an_uninterrupted_one_does(tiny_target, served_log, tmp_path):
+    """Stopped after two updates and rerun on the same log (read from its start again), the learner skips what it
+    consumed, refills its replay buffer from it and ends with the same weights, updates and published step."""
+    model, _ = tiny_target
+    convs = online.LogFollower(served_log).finish()
+    cfg = online.OnlineConfig(lr=1e-3, update_every=1, steps=2, batch_size=2, replay=2)
+    source = {"rounds": str(served_log), "checkpoint": "step_0"}
+    taus = [1.5, 1.2, 1.6, 1.55, 1.6]
+
+    def head():                                                     # the same served drafter each time
+        torch.manual_seed(0)
+        return EagleHead.from_target(model, None)
+
+    whole = online.OnlineLearner(head(), model, tmp_path / "whole", Scripted(taus), cfg, source=source)
+    whole.add(convs)
+    first = online.OnlineLearner(head(), model, tmp_path / "split", Scripted(taus[:3]), cfg, source=source)
+    first.add(convs[:2])                                            # stopped here
+    torch.manual_seed(1)
+    drafter = EagleHead.from_target(model, None)                    # whatever it starts from: the published weights
+    second = online.OnlineLearner(drafter, model, tmp_path / "split", Scripted(taus[3:]), cfg, source=source)
+    assert (second.updates, second.seen, second.current_tau) == (2, 2, 1.6)
+    second.add(convs)
+    assert (second.updates, second.seen) == (whole.updates, whole.seen) == (4, 4)
+    assert [c.prompt for c in second.buffer] == [c.prompt for c in whole.buffer]
+    state, expected = trainable_state_dict(drafter), trainable_state_dict(whole.drafter)
+    assert all(torch.equal(state[k], expected[k]) for k in expected)
+    assert (tmp_path / "split" / "best").read_text() == (tmp_path / "whole" / "best").read_text() == "step_4"
+    records = [json.loads(line) for line in (tmp_path / "split" / "online.jsonl").read_text().splitlines()]
+    assert [r["update"] for r in records] == [1, 2, 3, 4]          # no update twice on the same rows
+    with pytest.raises(online.ConfigError, match="learns from round log"):
+        online.OnlineLearner(drafter, model, tmp_path / "split", Scripted([]), cfg,
+                             source={**source, "rounds": str(tmp_path / "other.jsonl")})
+    with pytest.raises(online.DataError, match="not the ones"):       # same path, other conversations
+        resumed = online.OnlineLearner(drafter, model, tmp_path / "split", Scripted([]), cfg, source=source)
+        resumed.add(convs[1:] + convs[:1])
+
+
 @pytest.mark.parametrize("kind", ["small_lm", "eagle"])
 def test_real_updates_train_and_the_published_tau_never_falls(kind, tiny_target, served_log, prompts, tmp_path):
     model, tok = tiny_target
@@ -151,8 +188,18 @@ def test_serve_learn_cli_and_its_bad_input(tiny_target, tiny_target_dir, tiny_pr
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "learn" / "best").is_file() and "published" in proc.stdout
     assert len((tmp_path / "learn" / "online.jsonl").read_text().splitlines()) == 2
-    for args in (["--rounds", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")],
-                 ["--rounds", str(served_log), "--out", str(tmp_path / "learn")],
-                 ["--rounds", str(served_log), "--out", str(tmp_path / "y"), "--replay-share", "2"]):
+    again = run("--rounds", str(served_log), "--out", str(tmp_path / "learn"), "--num-heldout", "2",
+                "--max-new-tokens", "8", "--update-every", "2", "--steps", "1", "--draft-length", "3")
+    assert again.returncode == 0 and "continued after 2 updates on 4 conversations" in again.stdout, again.stderr
+    assert len((tmp_path / "learn" / "online.jsonl").read_text().splitlines()) == 2    # nothing new to learn from
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("not a serve-learn folder")
+    copy = tmp_path / "copy.jsonl"
+    copy.write_text(served_log.read_text())
+    for args, says in ((["--rounds", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")], "not found"),
+                       (["--rounds", str(copy), "--out", str(tmp_path / "learn")], "learns from round log"),
+                       (["--rounds", str(served_log), "--out", str(tmp_path / "other")], "not a serve-learn folder"),
+                       (["--rounds", str(served_log), "--out", str(tmp_path / "y"), "--replay-share", "2"], "replay")):
         bad = run(*args)
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+        assert says in bad.stderr
