@@ -19,32 +19,21 @@ Writes bench/results/disco.json and .md.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "bench"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from common import ROOT, SHARED, log, parser  # bench/common.py (it puts the checkout on sys.path)
 
 CACHE = ROOT / "bench" / "results" / "cache" / "disco"
 OUT = ROOT / "bench" / "results" / "disco"
 TRAIN = ROOT / "data_prep" / "prompts" / "train_prompts_small.jsonl"
 SETS = {"mtbench": SHARED / "mtbench.jsonl", "heldout": ROOT / "data_prep" / "prompts" / "heldout_train_dist.jsonl"}
-CHECKPOINT = ROOT / "checkpoints" / "peer_ablation" / "base"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", default=str(CHECKPOINT))
+    ap = parser(__doc__)
     ap.add_argument("--train-prompts", type=int, default=24, help="training prompts whose rounds train DISCO")
     ap.add_argument("--mtbench", type=int, default=12)
     ap.add_argument("--heldout", type=int, default=12)

@@ -20,33 +20,22 @@ Writes bench/results/online_update.json and .md.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "bench"
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from common import ROOT, SHARED, log, parser  # bench/common.py (it puts the checkout on sys.path)
 
 CACHE = ROOT / "bench" / "results" / "cache" / "online_update"
 OUT = ROOT / "bench" / "results" / "online_update"
 CODING = SHARED / "humaneval_a.jsonl"
 GENERAL = SHARED / "mtbench.jsonl"
-CHECKPOINT = ROOT / "checkpoints" / "peer_ablation" / "base"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--checkpoint", default=str(CHECKPOINT))
+    ap = parser(__doc__)
     ap.add_argument("--served", type=int, default=24)
     ap.add_argument("--gate", type=int, default=6)
     ap.add_argument("--score", type=int, default=12)

@@ -32,26 +32,19 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from draftlab import drafting, packing, vocab
-from draftlab.drafters.options import DrafterConfig, DraftVocabOption, check_target_size, setting_names, settings
+from draftlab.drafters.options import (DrafterConfig, DraftVocabOption, EagleHeadOptions, check_target_size,
+                                       setting_names, settings)
 from draftlab.errors import HubError
 from draftlab.serving import layer_config
 from draftlab.trees import additive
 
 
 @dataclass
-class EagleConfig(DraftVocabOption, DrafterConfig):
-    """drafter.* keys of drafter.kind=eagle."""
+class EagleConfig(EagleHeadOptions, DraftVocabOption, DrafterConfig):
+    """drafter.* keys of drafter.kind=eagle (feature_noise, reg_weight, cls_weight, fc_bias: EagleHeadOptions)."""
     kind: str = "eagle"
     num_layers: int = 1
     """Decoder layers in the head."""
-    feature_noise: float = 0.2
-    """Std of the uniform noise added to target features during training (0 = off)."""
-    reg_weight: float = 1.0
-    """Weight of the feature-regression (SmoothL1) loss."""
-    cls_weight: float = 0.1
-    """Weight of the soft cross-entropy against the target distribution."""
-    fc_bias: bool = True
-    """Bias in the fusion layer."""
     init_from_target: bool = False
     """Start the head's decoder layer from the target's last decoder layer (data-efficient start)."""
     harmonized_steps: int = 1

@@ -61,15 +61,16 @@ from torch import Tensor, nn
 from draftlab import packing
 from draftlab.drafters.eagle import EagleHead, EagleProposer, ahead, own_feature_steps
 from draftlab.drafters.medusa import ResBlock
-from draftlab.drafters.options import DrafterConfig, DraftVocabOption
+from draftlab.drafters.options import DrafterConfig, DraftVocabOption, EagleHeadOptions
 from draftlab.serving import layer_config
 
 REFERENCE_SHAPE = {"serial_tokens": 2, "mlp_layers": 5}     # what the reference code's MLP heads are
 
 
 @dataclass
-class GumihoConfig(DraftVocabOption, DrafterConfig):
-    """drafter.* keys of drafter.kind=gumiho."""
+class GumihoConfig(EagleHeadOptions, DraftVocabOption, DrafterConfig):
+    """drafter.* keys of drafter.kind=gumiho (its serial head's feature_noise, reg_weight, cls_weight, fc_bias:
+    EagleHeadOptions, as eagle's)."""
     kind: str = "gumiho"
     serial_tokens: int = 2
     """s: draft depths 1..s come from the serial (transformer) head, the deeper ones from the MLP heads."""
@@ -79,18 +80,10 @@ class GumihoConfig(DraftVocabOption, DrafterConfig):
     """K parallel MLP heads: head i drafts depth s+1+i."""
     mlp_layers: int = 5
     """Residual blocks per MLP head after its input projection."""
-    feature_noise: float = 0.2
-    """Std of the uniform noise added to target features during training (0 = off)."""
-    reg_weight: float = 1.0
-    """Weight of the feature-regression (SmoothL1) terms."""
-    cls_weight: float = 0.1
-    """Weight of the soft cross-entropy terms against the target distribution."""
     mlp_weight: float = 1 / 9
     """Scale of every MLP head's terms against the serial head's (the reference divides them by 9)."""
     mlp_decay: float = 0.8
     """MLP head i's terms are multiplied by mlp_decay^(i+1) (i = 0..K-1)."""
-    fc_bias: bool = True
-    """Bias in the fusion layer."""
 
     @staticmethod
     def packs(drafter_cfg) -> bool:

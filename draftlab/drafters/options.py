@@ -38,6 +38,19 @@ class DraftVocabOption:
 
 
 @dataclass
+class EagleHeadOptions:
+    """The settings of an EAGLE-1 head (eagle.py `EagleHead`): its own kind's, and Gumiho's serial head's."""
+    feature_noise: float = 0.2
+    """Std of the uniform noise added to target features during training (0 = off)."""
+    reg_weight: float = 1.0
+    """Weight of the feature-regression (SmoothL1) loss terms."""
+    cls_weight: float = 0.1
+    """Weight of the soft cross-entropy terms against the target distribution."""
+    fc_bias: bool = True
+    """Bias in the fusion layer."""
+
+
+@dataclass
 class LoraOptions:
     lora_r: int = 0
     """LoRA rank (0 = no adapters)."""
