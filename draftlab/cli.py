@@ -361,8 +361,22 @@ def cmd_recipes(argv: list[str]) -> None:
         if args.overrides:
             p.error("key=value overrides go with --show NAME")
         print("\n".join(available_recipes()))
+        for command in COMMAND_RECIPES:
+            for name in available_recipes(command):
+                print(f"{name}  (draftlab {command} --recipe {name})")
         return
+    for command in COMMAND_RECIPES:
+        if args.show in available_recipes(command):
+            if args.overrides:
+                p.error(f"{args.show} is a recipe for draftlab {command}: give its options to that command")
+            from draftlab.config import recipes_dir
+
+            print((recipes_dir() / f"{args.show}.yaml").read_text(), end="")
+            return
     print(to_yaml(compose([f"recipe={args.show}", *args.overrides])), end="")
+
+
+COMMAND_RECIPES = ("disco", "serve-learn")  # commands besides train that read recipes (`--recipe NAME`)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -276,8 +276,61 @@ def recipes_dir() -> Path:
     return here if here.is_dir() else Path.cwd() / "recipes"
 
 
-def available_recipes() -> list[str]:
-    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+def recipe_command(path: Path) -> str:
+    """The command a recipe file is for: its top-level `command:` key (disco, serve-learn), else train."""
+    raw = load_yaml(path, f"recipe {path}")
+    command = raw.get("command") if isinstance(raw, DictConfig) else None
+    return str(command) if command else "train"
+
+
+def available_recipes(command: str = "train") -> list[str]:
+    """Names of the shipped recipes for `command` (train: `draftlab train recipe=NAME`; disco, serve-learn:
+    `draftlab COMMAND --recipe NAME`)."""
+    return sorted(p.stem for p in recipes_dir().glob("*.yaml") if recipe_command(p) == command)
+
+
+def parse_command_args(parser, argv: list[str], command: str, required: tuple[str, ...] = ()):
+    """`parser.parse_args(argv)` for a command other than train, whose `--recipe NAME` sets option defaults from a
+    recipe for that command (`command_recipe`); options given on the command line win. `required`: option names
+    that the recipe or the command line must set."""
+    args = parser.parse_args(argv)
+    if args.recipe:
+        options = {a.dest: None if a.nargs not in (None, 0) else bool if a.const is True else
+                   a.type or (type(a.default) if a.default is not None else str)
+                   for a in parser._actions if a.dest not in ("help", "recipe")}
+        parser.set_defaults(**command_recipe(args.recipe, command, options))
+        args = parser.parse_args(argv)
+    missing = [name for name in required if getattr(args, name) in (None, [])]
+    if missing:
+        parser.error("give " + ", ".join("--" + name.replace("_", "-") for name in missing) +
+                     (f" (on the command line or in --recipe {args.recipe})" if args.recipe else ""))
+    return args
+
+
+def command_recipe(name: str, command: str, options: dict) -> dict:
+    """The option values a recipe for `command` (not train) sets: `{option: value}` from recipes/NAME.yaml or a
+    YAML file, with its `command:` key checked and each key checked against `options` (the command's option
+    names, with underscores, and their types)."""
+    path = _recipe_file(name)
+    raw = load_yaml(path, f"recipe {path}")
+    if not isinstance(raw, DictConfig):
+        raise ConfigError(f"recipe {path} must be a mapping of option names to values")
+    data = OmegaConf.to_container(raw)
+    found = data.pop("command", None) or "train"
+    if found != command:
+        how = f"draftlab train recipe={name}" if found == "train" else f"draftlab {found} --recipe {name}"
+        raise ConfigError(f"recipe {name} is for `{how}`, not for draftlab {command}: give a recipe with "
+                          f"`command: {command}` ({', '.join(available_recipes(command)) or 'none shipped'})")
+    for key, value in data.items():
+        if key not in options:
+            raise ConfigError(f"recipe {path}: unknown option '{key}' for draftlab {command}: use "
+                              f"{', '.join(sorted(options))}")
+        want = options[key]
+        if want is not None and value is not None and not (isinstance(value, want) or want is float and
+                                                              isinstance(value, int) and not isinstance(value, bool)):
+            article = "an" if want.__name__[0] in "aeiou" else "a"
+            raise ConfigError(f"recipe {path}: {key} is {value!r}: give {article} {want.__name__}")
+    return data
 
 
 def _recipe_file(name: str) -> Path:
@@ -288,7 +341,8 @@ def _recipe_file(name: str) -> Path:
         return path
     path = recipes_dir() / f"{name}.yaml"
     if not path.is_file():
-        raise ConfigError(f"unknown recipe '{name}': choose one of {', '.join(available_recipes())} "
+        names = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+        raise ConfigError(f"unknown recipe '{name}': choose one of {', '.join(names)} "
                           f"(files in {recipes_dir()}), or pass recipe=path/to/file.yaml")
     return path
 
@@ -301,6 +355,9 @@ def _load_recipe(name: str, seen: tuple[str, ...] = ()) -> DictConfig:
     raw = load_yaml(path, f"recipe {path}")
     if not isinstance(raw, DictConfig):
         raise ConfigError(f"recipe {path} must be a mapping of keys to values")
+    if raw.get("command") not in (None, "train"):
+        raise ConfigError(f"recipe {name} is for `draftlab {raw.command} --recipe {name}`, not for draftlab train "
+                          f"(train recipes: {', '.join(available_recipes())})")
     bases = raw.pop("defaults", []) or []
     merged = OmegaConf.create({})
     for base in bases:

@@ -39,6 +39,11 @@ What draftlab builds (and where it departs from the paper):
 * disco.json records the drafter the round log names (`rounds.drafter_identity`: checkpoint, kind, target
   fingerprint). `eval --draft-length disco` refuses a classifier trained against another target and warns when it
   stops another drafter checkpoint than the one whose rounds taught it (`check_drafter`).
+* Training from a recipe (`recipes/disco_stop.yaml`, `draftlab disco --recipe disco_stop --checkpoint DIR --prompts
+  FILE --out OUT`): the rounds are logged first (`log_rounds`: greedy chains of max_length on training prompts,
+  OUT/rounds.jsonl, resumable prompt by prompt), then the classifier is fitted; `--rounds LOG` takes rounds an engine
+  served instead. `draftlab push DIR --disco OUT` ships the classifier in the export's disco/ folder, its drafter
+  named relative to the export's own checkpoint.
 """
 from __future__ import annotations
 
@@ -107,7 +112,11 @@ def check_drafter(info: dict, identity: dict, where: str) -> str | None:
     check_fingerprint(logged.get("target") or {}, identity["target"], f"--disco {where} (trained from rounds of "
                       f"{logged.get('checkpoint')})", "train a classifier from rounds logged with this target",
                       CheckpointError)
-    if (logged.get("checkpoint"), logged.get("kind")) == (identity["checkpoint"], identity["kind"]):
+    checkpoint = logged.get("checkpoint")
+    if isinstance(checkpoint, str) and checkpoint.startswith("../"):   # shipped in an export beside its drafter
+        folder = Path(where).parent if Path(where).name == CONFIG_NAME else Path(where)
+        checkpoint = str((folder / checkpoint).resolve())
+    if (checkpoint, logged.get("kind")) == (identity["checkpoint"], identity["kind"]):
         return None
     return (f"draftlab: warning: --disco {where} was trained from rounds of {logged.get('kind')} drafter "
             f"{logged.get('checkpoint')}, not of {identity['checkpoint']}: its stops may suit this drafter less well")
@@ -348,32 +357,112 @@ def wrap(proposer, classifier: StopClassifier, costs: RoundCosts, max_length: in
     return DiscoProposer(proposer, classifier, StopRule(costs, min(max_length, costs.max_length)), label)
 
 
+ROUNDS_NAME, PROGRESS_NAME = "rounds.jsonl", "rounds.progress.json"
+
+
+def log_rounds(args, out: Path) -> Path:
+    """`draftlab disco --checkpoint`: greedy chains of --max-length drafted on the first --num-prompts of --prompts,
+    logged to OUT/rounds.jsonl. OUT/rounds.progress.json records the settings and the prompts whose rounds are
+    whole; a rerun drops a cut-off prompt's rows and continues after the last whole one (more --num-prompts
+    extends the log)."""
+    from tqdm import tqdm
+
+    from draftlab.checkpoint import resolve_checkpoint, write_text_atomic
+    from draftlab.data import encode_prompt, load_prompts
+    from draftlab.drafters import load_drafter
+    from draftlab.errors import ConfigError
+    from draftlab.evaluator import prompt_generator, speculative_generate
+    from draftlab.hub import checkpoint_target
+    from draftlab.rounds import RoundLog, drafter_identity
+    from draftlab.target import eos_ids, load_target
+    from draftlab.trees import TreeSpec
+    from draftlab.verify import Sampling
+
+    folder = resolve_checkpoint(args.checkpoint)
+    log_file, progress_file = out / ROUNDS_NAME, out / PROGRESS_NAME
+    settings = {"checkpoint": str(folder.resolve()), "prompts": str(Path(args.prompts).resolve()),
+                "max_length": args.max_length, "max_new_tokens": args.max_new_tokens, "target": args.target}
+    done, rows = 0, 0
+    if progress_file.is_file():
+        progress = json.loads(progress_file.read_text())
+        logged = progress["settings"]
+        changed = [k for k, v in settings.items() if logged.get(k) != v]
+        if changed:
+            was = ", ".join(f"{k}={logged.get(k)}" for k in changed)
+            raise ConfigError(f"--out {out} holds rounds logged with another {', '.join(changed)} ({was}): give a "
+                              "new --out")
+        done, rows = progress["done"], progress["rows"]
+        lines = log_file.read_text().splitlines(keepends=True) if log_file.is_file() else []
+        if len(lines) < rows:
+            raise DataError(f"{log_file} holds {len(lines)} rows, {progress_file} says {rows}: give a new --out")
+        if len(lines) > rows:                 # rows of a prompt cut off by a stop: logged again below
+            write_text_atomic(log_file, "".join(lines[:rows]))
+    elif out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} is not empty and holds no DISCO rounds ({PROGRESS_NAME}): give a new folder")
+    prompts = load_prompts(args.prompts, limit=args.num_prompts)
+    if done >= len(prompts):
+        print(f"rounds: {rows} rows of {done} prompts already in {log_file}", flush=True)
+        return log_file
+    target, tokenizer = load_target(args.target or checkpoint_target(folder), "auto", "auto")
+    drafter = load_drafter(folder, target).eval()
+    proposer = drafter.proposer(target)
+    spec, eos = TreeSpec(kind="chain", draft_length=args.max_length), eos_ids(tokenizer, target)
+    out.mkdir(parents=True, exist_ok=True)
+    with RoundLog(log_file, append=done > 0, drafter=drafter_identity(str(folder.resolve()), drafter.kind,
+                                                                      target)) as log:
+        log.rows = rows
+        for i in tqdm(range(done, len(prompts)), initial=done, total=len(prompts), desc="logging rounds",
+                      dynamic_ncols=True):
+            ids = encode_prompt(tokenizer, prompts[i].messages)
+            speculative_generate(target, proposer, ids, spec, Sampling(), args.max_new_tokens, eos,
+                                 prompt_generator(target.device, 0, i), log.for_prompt(i, ids))
+            write_text_atomic(progress_file, json.dumps({"settings": settings, "done": i + 1, "rows": log.rows}))
+    print(f"rounds: {log.rows} rows of {len(prompts)} prompts in {log_file}", flush=True)
+    return log_file
+
+
 def cmd_disco(argv: list[str]) -> None:
-    """`draftlab disco --rounds LOG --out DIR`: train the stop classifier from a round log."""
+    """`draftlab disco --rounds LOG --out DIR` (or `--checkpoint DIR --prompts FILE`): train the stop classifier."""
+    from draftlab.config import parse_command_args
     from draftlab.errors import OneLineParser
     from draftlab.rounds import read_rounds
 
     p = OneLineParser(prog="draftlab disco", description="Train DISCO's stop classifier from a round log "
-                      "(draftlab eval --log-rounds); use it with draftlab eval --draft-length disco --disco DIR.")
-    p.add_argument("--rounds", required=True, nargs="+", help="round log(s) of the drafter DISCO will stop")
-    p.add_argument("--out", required=True, help="folder for disco.json + disco.safetensors")
+                      "(draftlab eval --log-rounds), or log one first from a checkpoint; use it with draftlab eval "
+                      "--draft-length disco --disco DIR.")
+    p.add_argument("--recipe", help="recipes/NAME.yaml with `command: disco` (e.g. disco_stop) or a YAML file: "
+                   "option values; options given here win")
+    p.add_argument("--rounds", nargs="+", help="round log(s) of the drafter DISCO will stop")
+    p.add_argument("--checkpoint", help="instead of --rounds: the drafter DISCO will stop; its greedy chains on "
+                   f"--prompts are logged to OUT/{ROUNDS_NAME} first (a rerun continues them)")
+    p.add_argument("--prompts", help="with --checkpoint: JSONL prompts to draft on (training prompts, none you score)")
+    p.add_argument("--num-prompts", type=int, default=32, help="with --checkpoint: how many of --prompts (default 32)")
+    p.add_argument("--max-length", type=int, default=8, help="with --checkpoint: chain length drafted (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="with --checkpoint: tokens per answer (default 64)")
+    p.add_argument("--target", help="with --checkpoint: target model (default: the checkpoint's)")
+    p.add_argument("--out", help="folder for disco.json + disco.safetensors (and the logged rounds)")
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    for name in ("hidden", "layers", "steps"):
+    args = parse_command_args(p, argv, "disco", required=("out",))
+    if bool(args.rounds) == bool(args.checkpoint):
+        p.error("give --rounds LOG [LOG ...], or --checkpoint DIR with --prompts FILE to log the rounds first")
+    if args.checkpoint and not args.prompts:
+        p.error("--checkpoint needs --prompts FILE (training prompts to draft on)")
+    for name in ("hidden", "layers", "steps", "num_prompts", "max_length", "max_new_tokens"):
         if getattr(args, name) < 1:
-            raise DataError(f"--{name} {getattr(args, name)}: give at least 1")
-    rows = [row for path in args.rounds for row in read_rounds(path)]
+            raise DataError(f"--{name.replace('_', '-')} {getattr(args, name)}: give at least 1")
+    rounds = args.rounds or [str(log_rounds(args, Path(args.out)))]
+    rows = [row for path in rounds for row in read_rounds(path)]
     x, y = examples_from_rounds(rows)
     drafter = logged_drafter(rows)
     model, history = train_classifier(x, y, hidden=args.hidden, layers=args.layers, steps=args.steps, lr=args.lr,
                                       seed=args.seed)
     losses = history.pop("train_loss")
-    info = {"rounds": [str(r) for r in args.rounds], "round_rows": len(rows), "drafter": drafter,
-            "train_loss_first": losses[0], "train_loss_last": losses[-1], **history}
+    info = {"rounds": [str(r) for r in rounds], "round_rows": len(rows), "drafter": drafter,
+            "recipe": args.recipe, "train_loss_first": losses[0], "train_loss_last": losses[-1], **history}
     save_classifier(model, args.out, info)
     val = f", validation loss {history['val_loss']:.3f}, accuracy {history['val_accuracy']:.3f}" \
         if "val_loss" in history else ""

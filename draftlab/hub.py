@@ -164,16 +164,18 @@ FORMATS = ("auto", "draftlab", *dict.fromkeys(cls.export_format for cls in DRAFT
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str = "auto", target=None,
                       tokenizer=None, target_path: str | None = None, base_model: str | None = None,
                       eval_reports: list | tuple = (), license: str = "apache-2.0",
-                      repo_id: str | None = None) -> Path:
+                      repo_id: str | None = None, disco: str | Path | None = None) -> Path:
     """Write the export folder (serving format + card + native checkpoint) for a run or step folder.
 
     fmt: "auto" (the kind's serving format), "draftlab" (native files and card only), or a format name that must
     match the kind. target/tokenizer: an already loaded target (else it is loaded from target_path or the run's
-    config when an exporter needs it). The folder is written beside out_dir and renamed into place."""
+    config when an exporter needs it). disco: a DISCO stop classifier for this drafter (`draftlab disco`), shipped
+    in the export's disco/ folder. The folder is written beside out_dir and renamed into place."""
     folder = ckpt.resolve_checkpoint(checkpoint)
     reports = [model_card.read_report(p) for p in eval_reports]
     src = Source(folder, target, tokenizer, target_path, base_model)
     fmt = pick_format(src.kind, fmt)
+    classifier = stop_classifier(disco, src) if disco else None     # a foreign one fails before anything is written
     out = Path(out_dir)
     if out.exists() and not is_export(out) and (not out.is_dir() or any(out.iterdir())):
         raise HubError(f"export folder {out_dir} already exists and is not a draftlab export: an export replaces "
@@ -202,6 +204,18 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str =
         # the export's own folders, for exporters that write beside their format (never saved in export.json)
         paths = {"export_dir": str(out), "native_dir": str(tmp / NATIVE_DIR)}
         meta["details"] = drafter_class.export(src, tmp, {**meta, **paths}) if fmt != "draftlab" else {}
+        if classifier is not None:
+            from draftlab import disco as stop
+
+            (tmp / DISCO_DIR).mkdir()
+            shutil.copy2(Path(classifier.folder) / stop.WEIGHTS_NAME, tmp / DISCO_DIR / stop.WEIGHTS_NAME)
+            # the drafter it stops is the export's own checkpoint, named relative to it, so it stays right wherever
+            # the export is downloaded to (disco.check_drafter resolves it)
+            shipped = {**classifier.info, "shipped_from": (classifier.info.get("drafter") or {}).get("checkpoint")}
+            shipped["drafter"] = {**(shipped.get("drafter") or {}), "checkpoint": f"../{NATIVE_DIR}", "kind": src.kind}
+            (tmp / DISCO_DIR / stop.CONFIG_NAME).write_text(json.dumps(shipped, indent=2))
+            meta["disco"] = {"folder": DISCO_DIR, **{k: classifier.info.get(k) for k in (
+                "features", "examples", "positive_rate", "val_accuracy", "recipe")}}
         (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
         model_card.write_card(tmp)
     except BaseException as e:
@@ -212,6 +226,28 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str =
         raise
     ckpt.replace_folder(tmp, out)
     return out
+
+
+DISCO_DIR = "disco"  # an export's DISCO stop classifier (draftlab eval --draft-length disco --disco EXPORT/disco)
+
+
+def stop_classifier(path: str | Path, src: Source):
+    """The DISCO classifier at `path`, checked against the checkpoint it ships with: trained from another
+    target's rounds is a HubError; from another checkpoint's rounds, a warning line."""
+    import sys
+
+    from draftlab import disco as stop
+    from draftlab.target import check_fingerprint
+
+    classifier = stop.load_classifier(path)
+    classifier.folder = Path(path).parent if Path(path).name == stop.CONFIG_NAME else Path(path)
+    logged = classifier.info.get("drafter") or {}
+    check_fingerprint(logged.get("target") or {}, src.config.get("target") or {}, f"--disco {path}",
+                      "ship the classifier trained from this drafter's rounds", HubError)
+    if logged.get("checkpoint") not in (None, str(src.folder.resolve())):
+        print(f"draftlab: warning: --disco {path} was trained from rounds of {logged.get('checkpoint')}, not of "
+              f"{src.folder.resolve()}: its stops may suit this drafter less well", file=sys.stderr, flush=True)
+    return classifier
 
 
 def pick_format(kind: str, fmt: str) -> str:
@@ -325,17 +361,22 @@ def upload(export: Path, repo_id: str, *, private: bool = False, revision: str |
 def push_checkpoint(checkpoint: str | Path, repo_id: str, *, private: bool = False, revision: str | None = None,
                     commit_message: str | None = None, fmt: str = "auto", export_dir: str | Path | None = None,
                     target=None, tokenizer=None, target_path: str | None = None, base_model: str | None = None,
-                    eval_reports: list | tuple = (), license: str = "apache-2.0", token: str | None = None) -> str:
+                    eval_reports: list | tuple = (), license: str = "apache-2.0", token: str | None = None,
+                    disco: str | Path | None = None) -> str:
     """Export a run / step folder (or take an existing export as is) and upload it to ORG/NAME; returns the
     commit URL. The training loop calls this for `hub.push` (a run folder means its best step)."""
     check_repo_id(repo_id)
     if is_export(checkpoint):
+        if disco:
+            raise HubError(f"{checkpoint} is an export already: pass the run or step folder with --disco, so that "
+                           "the classifier is checked and shipped in a new export")
         export = Path(checkpoint)
         retarget_export(export, repo_id)
     else:
         export = export_checkpoint(checkpoint, export_dir or default_export_dir(checkpoint, repo_id), fmt=fmt,
                                    target=target, tokenizer=tokenizer, target_path=target_path,
-                                   base_model=base_model, eval_reports=eval_reports, license=license, repo_id=repo_id)
+                                   base_model=base_model, eval_reports=eval_reports, license=license, repo_id=repo_id,
+                                   disco=disco)
     print(f"export: {export}", flush=True)
     return upload(export, repo_id, private=private, revision=revision, commit_message=commit_message, token=token)
 
@@ -374,6 +415,8 @@ def push_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval", action="append", default=[], metavar="REPORT.json",
                    help="extra `draftlab eval` report for the card's tau table (repeatable)")
     p.add_argument("--license", default="apache-2.0", help="license in the card (default apache-2.0)")
+    p.add_argument("--disco", metavar="DIR", help="ship this DISCO stop classifier (draftlab disco) in the export's "
+                   f"{DISCO_DIR}/ folder")
     return p
 
 
@@ -389,7 +432,7 @@ def cmd_push(argv: list[str]) -> None:
         raise HubError(f"--revision {args.revision!r} is not a valid branch name: use letters, digits, '-', '_', "
                        "'.' and '/', e.g. --revision v1 (no spaces, '..', '~^:?*[\\', or a leading '-')")
     options = dict(fmt=args.format, target_path=args.target, base_model=args.base_model, eval_reports=args.eval,
-                   license=args.license)
+                   license=args.license, disco=args.disco)
     if args.to:
         out = export_checkpoint(args.checkpoint, args.to, repo_id=args.repo_id, **options)
         print(f"exported {ckpt.resolve_checkpoint(args.checkpoint)} to {out}:")

@@ -266,6 +266,21 @@ def training_section(run: dict | None, meta: dict) -> str:
             + "\n".join(table) + f"\n\n<details><summary>full config</summary>\n\n```yaml\n{full}\n```\n\n</details>")
 
 
+def disco_section(meta: dict, repo: str | None) -> str:
+    """The card's lines on a shipped DISCO stop classifier (hub.export_checkpoint --disco)."""
+    info = meta["disco"]
+    acc = info.get("val_accuracy")
+    return (f"`{info['folder']}/` holds a DISCO stop classifier (disco.json, disco.safetensors; arXiv 2405.04304) "
+            f"trained on {info.get('examples')} draft tokens this drafter proposed and the target judged ("
+            f"{fmt(info.get('positive_rate'))} accepted" + (f"; held-out accuracy {fmt(acc)}" if acc is not None
+                                                           else "") + "). From the drafter's top-1 / top-2 "
+            f"probability, entropy and position it predicts each next token's acceptance, and chains stop when one "
+            "more token no longer pays under the round costs measured on the serving machine. Serving engines do "
+            "not read it; draftlab does:\n\n```bash\nhf download {0} --local-dir drafter\ndraftlab eval "
+            "--checkpoint drafter --target {1} --draft-length disco --disco drafter/{2} --prompts prompts.jsonl "
+            "--out report.json\n```".format(repo or "ORG/NAME", target_name(meta), info["folder"]))
+
+
 def render_card(meta: dict, reports: list[tuple[str, dict]], run: dict | None, plotted: bool) -> str:
     kind, repo = meta["kind"], meta.get("repo_id")
     base = meta.get("base_model")
@@ -305,5 +320,7 @@ def render_card(meta: dict, reports: list[tuple[str, dict]], run: dict | None, p
     parts += ["### draftlab", "```bash\nhf download {0} --local-dir drafter\ndraftlab eval --checkpoint drafter "
               "--target {1} --prompts prompts.jsonl --out report.json\n```".format(
                   repo or "ORG/NAME", target_name(meta))]
+    if meta.get("disco"):
+        parts += ["## Stopping rule (DISCO)", disco_section(meta, repo)]
     parts += ["## Training", training_section(run, meta)]
     return "\n\n".join(parts) + "\n"

@@ -33,9 +33,13 @@ What draftlab builds:
   optimizer and the random states (batch draws, feature noise). A rerun with the same --out reads the log from the
   start, refills the replay buffer from the consumed conversations (the buffer is always the last `replay` of
   them) and updates only on the ones after: it ends where one uninterrupted run would.
+* Recipe: `recipes/serve_learn.yaml` (`draftlab serve-learn --recipe serve_learn ...`) holds the options for a
+  server that keeps appending to its log; options on the command line win. The published checkpoint is a normal
+  step folder (`out/best`): `draftlab push OUT` exports it like any other.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -207,6 +211,9 @@ class OnlineConfig:
     """Seed of the batch draws."""
 
 
+LEARNER_OPTIONS = ("lr", "update_every", "steps", "batch_size", "replay", "replay_share", "seed")  # serve-learn's
+
+
 def read_state(out_dir: str | Path, source: dict) -> dict | None:
     """The saved learner state of a serve-learn --out (None when there is none). source: {"rounds", "checkpoint"}
     of this run; another log or drafter than the recorded one is a ConfigError."""
@@ -363,28 +370,32 @@ class OnlineLearner:
 
 def cmd_serve_learn(argv: list[str]) -> None:
     """`draftlab serve-learn`: follow a round log and update the drafter online (module docstring)."""
+    from draftlab.config import parse_command_args
     from draftlab.errors import OneLineParser
 
     p = OneLineParser(prog="draftlab serve-learn", description="Update a drafter online from the round log a server "
                       "writes (draftlab eval --log-rounds); publish it only when its tau on held-out prompts does not "
                       "fall.")
-    p.add_argument("--checkpoint", required=True, help="the served drafter (run or step folder)")
-    p.add_argument("--rounds", required=True, help="round log to follow")
-    p.add_argument("--heldout", required=True, help="JSONL prompts for the gate (none of them served)")
-    p.add_argument("--out", required=True, help="new folder (step_N checkpoints, best, online.jsonl, "
+    p.add_argument("--recipe", help="recipes/NAME.yaml with `command: serve-learn` (e.g. serve_learn) or a YAML "
+                   "file: option values; options given here win")
+    p.add_argument("--checkpoint", help="the served drafter (run or step folder)")
+    p.add_argument("--rounds", help="round log to follow")
+    p.add_argument("--heldout", help="JSONL prompts for the gate (none of them served)")
+    p.add_argument("--out", help="new folder (step_N checkpoints, best, online.jsonl, "
                    f"{STATE_NAME}), or the --out of an earlier run on the same log and drafter: continue it")
     p.add_argument("--target", default=None, help="default: the checkpoint's")
     p.add_argument("--num-heldout", type=int, default=8)
     p.add_argument("--draft-length", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--follow", action="store_true", help="keep reading the log as it grows until it is idle")
+    p.add_argument("--follow", action=argparse.BooleanOptionalAction, default=False,
+                   help="keep reading the log as it grows until it is idle (--no-follow: read what is there, then stop)")
     p.add_argument("--idle-seconds", type=float, default=60.0, help="with --follow: stop after this long without rows")
     p.add_argument("--poll-seconds", type=float, default=1.0)
-    for name, default in (("lr", 1e-4), ("update_every", 8), ("steps", 4), ("batch_size", 4), ("replay", 64),
-                          ("replay_share", 0.5), ("seed", 0)):
+    for name in LEARNER_OPTIONS:
+        default = getattr(OnlineConfig, name)
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
                        help=f"default {default} (see draftlab/online.py OnlineConfig)")
-    args = p.parse_args(argv)
+    args = parse_command_args(p, argv, "serve-learn", required=("checkpoint", "rounds", "heldout", "out"))
     for name in ("num_heldout", "draft_length", "max_new_tokens", "update_every", "steps", "batch_size", "replay"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: give at least 1")
@@ -412,8 +423,7 @@ def cmd_serve_learn(argv: list[str]) -> None:
     prompts = [encode_prompt(tokenizer, h.messages) for h in heldout]
     eos = eos_ids(tokenizer, target)
     score = lambda d: measured_tau(target, d, prompts, args.draft_length, args.max_new_tokens, eos)
-    cfg = OnlineConfig(**{k: getattr(args, k) for k in ("lr", "update_every", "steps", "batch_size", "replay",
-                                                        "replay_share", "seed")})
+    cfg = OnlineConfig(**{k: getattr(args, k) for k in LEARNER_OPTIONS})
     learner = OnlineLearner(drafter, target, out, score, cfg, pad_id(tokenizer), source)
     published = f"{out / (out / 'best').read_text().strip()} (continued after {learner.updates} updates on " \
         f"{learner.seen} conversations)" if learner.skip else folder

@@ -135,3 +135,27 @@ def test_cli_reports_bad_keys_without_traceback(entry):
     assert proc.returncode == 2
     assert "train.lrr" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_recipes_of_other_commands_are_refused_by_train_and_checked_by_their_command(tmp_path):
+    """disco_stop and serve_learn are recipes of `draftlab disco` / `serve-learn`: train refuses them in one line;
+    a command recipe's unknown option or wrong type is one line naming the file."""
+    from draftlab.config import command_recipe
+
+    assert "disco_stop" in available_recipes("disco") and "serve_learn" in available_recipes("serve-learn")
+    assert not {"disco_stop", "serve_learn"} & set(available_recipes())
+    with pytest.raises(ConfigError, match="draftlab disco --recipe disco_stop"):
+        load_config(["recipe=disco_stop", *REQUIRED])
+    options = {"steps": int, "lr": float, "follow": bool}
+    assert command_recipe(str(ROOT / "recipes" / "disco_stop.yaml"), "disco", {**options, **dict.fromkeys(
+        ["num_prompts", "max_length", "max_new_tokens", "hidden", "layers", "seed"], int)})["steps"] == 300
+    bad = tmp_path / "bad.yaml"
+    for text, says in (("command: disco\nsteps: many\n", "steps is 'many': give an int"),
+                       ("command: disco\nstepz: 3\n", "unknown option 'stepz'"),
+                       ("command: serve-learn\nlr: 1\n", "draftlab serve-learn --recipe")):
+        bad.write_text(text)
+        with pytest.raises(ConfigError, match=says) as err:
+            command_recipe(str(bad), "disco", options)
+        assert "\n" not in str(err.value)
+    bad.write_text("command: disco\nlr: 1\n")
+    assert command_recipe(str(bad), "disco", options) == {"lr": 1}     # an int where a float goes is fine

@@ -213,3 +213,110 @@ def test_bad_disco_input_is_one_line(case, trained, tiny_target, tiny_target_dir
         assert "version 7" in proc.stderr
     if case == "other_target":
         assert "another target (hidden_size=96" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def layer_skip(tiny_target, tmp_path_factory):
+    """A small_lm drafter made of the tiny target's two layers plus a little noise, saved as a checkpoint: it agrees
+    with the target often, not always, so its rounds hold both outcomes."""
+    from draftlab.checkpoint import save_drafter
+    from draftlab.config import load_config
+    from draftlab.drafters.small_lm import SmallLM
+
+    model, _ = tiny_target
+    cfg = load_config(["drafter.kind=small_lm", "drafter.target_layers=[0,1]", "target.path=/x", "data.train=/x",
+                       "data.eval_prompts=/p"]).drafter
+    drafter = SmallLM.from_target(model, cfg)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.requires_grad:
+                p.add_(0.006 * torch.randn(p.shape, generator=g))
+    return save_drafter(drafter, tmp_path_factory.mktemp("layer_skip") / "step_0")
+
+
+def disco_from_checkpoint(ckpt, target_dir, prompt_file, out, *extra):
+    return run_cli("disco", "--recipe", "disco_stop", "--checkpoint", str(ckpt), "--target", target_dir, "--prompts",
+                   prompt_file, "--max-new-tokens", "12", "--max-length", "4", "--steps", "30", "--out", str(out),
+                   *extra)
+
+
+@pytest.fixture(scope="module")
+def from_recipe(layer_skip, tiny_target_dir, tiny_prompt_file, tmp_path_factory):
+    """`draftlab disco --recipe disco_stop --checkpoint` on 3 prompts, in one go: its output folder."""
+    out = tmp_path_factory.mktemp("from_recipe") / "c"
+    proc = disco_from_checkpoint(layer_skip, tiny_target_dir, tiny_prompt_file, out, "--num-prompts", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert "judged draft tokens" in proc.stdout
+    return out
+
+
+def test_the_recipe_logs_rounds_then_trains_and_a_rerun_continues(layer_skip, from_recipe, tiny_target_dir,
+                                                                  tiny_prompt_file, tmp_path):
+    """`draftlab disco --recipe disco_stop --checkpoint`: rounds are logged first; a rerun with more prompts keeps
+    the rows already logged and drops those of a prompt a stop cut off; the log equals one uninterrupted run's."""
+    info = json.loads((from_recipe / disco.CONFIG_NAME).read_text())
+    assert info["recipe"] == "disco_stop" and info["drafter"]["kind"] == "small_lm"
+    assert info["drafter"]["checkpoint"] == str(layer_skip.resolve())
+    rows = (from_recipe / disco.ROUNDS_NAME).read_text().splitlines()
+
+    part = tmp_path / "part"
+    first = disco_from_checkpoint(layer_skip, tiny_target_dir, tiny_prompt_file, part, "--num-prompts", "2")
+    assert first.returncode == 0, first.stderr
+    done = (part / disco.ROUNDS_NAME).read_text().splitlines()
+    with open(part / disco.ROUNDS_NAME, "a") as f:    # a third prompt's first round, cut off by a stop
+        f.write(rows[len(done)] + "\n")
+    again = disco_from_checkpoint(layer_skip, tiny_target_dir, tiny_prompt_file, part, "--num-prompts", "3")
+    assert again.returncode == 0, again.stderr
+    assert (part / disco.ROUNDS_NAME).read_text().splitlines() == rows
+    assert json.loads((part / disco.PROGRESS_NAME).read_text())["done"] == 3
+
+    other = disco_from_checkpoint(layer_skip, tiny_target_dir, tiny_prompt_file, part, "--num-prompts", "3",
+                                  "--max-length", "5")
+    assert other.returncode == 2 and "max_length" in other.stderr and "Traceback" not in other.stderr
+    assert (part / disco.ROUNDS_NAME).read_text().splitlines() == rows          # nothing written over
+
+
+def test_the_export_ships_the_classifier_and_eval_reads_it_there(layer_skip, from_recipe, tiny_target,
+                                                                 tiny_target_dir, tiny_prompt_file, tmp_path):
+    """`draftlab push --disco`: the classifier goes in the export's disco/ folder, named against the export's own
+    checkpoint (no warning when eval stops that drafter with it), the card describes it, and decoding stays
+    lossless; one trained against another target is refused before anything is written."""
+    export = tmp_path / "export"
+    proc = run_cli("push", str(layer_skip), "--target", tiny_target_dir, "--to", str(export), "--disco",
+                   str(from_recipe))
+    assert proc.returncode == 0, proc.stderr
+    assert (export / "disco" / disco.WEIGHTS_NAME).is_file()
+    assert json.loads((export / "export.json").read_text())["disco"]["folder"] == "disco"
+    assert "## Stopping rule (DISCO)" in (export / "README.md").read_text()
+    assert disco.load_classifier(export / "disco").info["shipped_from"] == str(layer_skip.resolve())
+    out = tmp_path / "report.json"
+    proc = run_cli("eval", "--checkpoint", str(export), "--target", tiny_target_dir, "--prompts", tiny_prompt_file,
+                   "--out", str(out), "--max-new-tokens", "12", "--num-prompts", "2", "--draft-length", "disco",
+                   "--disco", str(export / "disco"), "--max-draft-length", "4", "--calibration-prompts", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr
+    report = json.loads(out.read_text())
+    assert report["lossless"] is True and report["adaptive"]["rule"] == "disco"
+
+    classifier = disco.load_classifier(from_recipe)
+    identity = drafter_identity(str(layer_skip.resolve()), "small_lm", tiny_target[0])
+    identity["target"]["hidden_size"] = 96
+    disco.save_classifier(classifier, tmp_path / "other", {"drafter": identity})
+    bad = run_cli("push", str(layer_skip), "--target", tiny_target_dir, "--to", str(tmp_path / "e2"), "--disco",
+                  str(tmp_path / "other"))
+    assert bad.returncode == 2 and "another target (hidden_size=96" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and not (tmp_path / "e2").exists()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--recipe", "serve_learn", "--out", "X"], "draftlab serve-learn --recipe serve_learn"),
+    (["--recipe", "disco_stop"], "give --out"),
+    (["--recipe", "disco_stop", "--out", "X"], "give --rounds"),
+    (["--recipe", "disco_stop", "--out", "X", "--checkpoint", "C"], "needs --prompts"),
+    (["--recipe", "eagle_head", "--out", "X"], "draftlab train recipe=eagle_head"),
+])
+def test_bad_recipe_use_is_one_line(args, says, tmp_path):
+    proc = run_cli("disco", *[str(tmp_path / a) if a in ("X", "C") else a for a in args])
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "X").exists()

@@ -183,10 +183,18 @@ def test_serve_learn_cli_and_its_bad_input(tiny_target, tiny_target_dir, tiny_pr
     run = lambda *a: subprocess.run([sys.executable, "-m", "draftlab.cli", "serve-learn", "--checkpoint", str(ckpt),
                                      "--target", tiny_target_dir, "--heldout", tiny_prompt_file, *a],
                                     capture_output=True, text=True, timeout=300)
-    proc = run("--rounds", str(served_log), "--out", str(tmp_path / "learn"), "--num-heldout", "2",
-               "--max-new-tokens", "8", "--update-every", "2", "--steps", "1", "--draft-length", "3")
+    # the recipe (it follows the log: --no-follow reads what is there), its values overridden where given
+    proc = run("--recipe", "serve_learn", "--no-follow", "--rounds", str(served_log), "--out", str(tmp_path / "learn"),
+               "--num-heldout", "2", "--max-new-tokens", "8", "--update-every", "2", "--steps", "1",
+               "--draft-length", "3")
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "learn" / "best").is_file() and "published" in proc.stdout
+    exported = subprocess.run([sys.executable, "-m", "draftlab.cli", "push", str(tmp_path / "learn"), "--target",
+                               tiny_target_dir, "--to", str(tmp_path / "export")], capture_output=True, text=True,
+                              timeout=300)
+    assert exported.returncode == 0, exported.stderr
+    meta = json.loads((tmp_path / "export" / "export.json").read_text())
+    assert meta["kind"] == "eagle" and meta["step"] == (tmp_path / "learn" / "best").read_text().strip()
     assert len((tmp_path / "learn" / "online.jsonl").read_text().splitlines()) == 2
     again = run("--rounds", str(served_log), "--out", str(tmp_path / "learn"), "--num-heldout", "2",
                 "--max-new-tokens", "8", "--update-every", "2", "--steps", "1", "--draft-length", "3")
