@@ -80,6 +80,11 @@ RUNS = {
                              PACKING + ["drafter.norm_before_residual=true"], "packed"),
     "all_tokens": ("beyond the peer: the loss also counts prompt tokens (the target's distribution is known there)",
                    PACKING + ["drafter.loss_tokens=all"], "packed"),
+    "init_from_target_seed1": ("`init_from_target` with seed 1: is its gain more than one seed's noise?",
+                               PACKING + ["drafter.init_from_target=true", "seed=1"], "packed_seed1"),
+    "combined": ("init_from_target with the options at the top of their range: norm_output, frozen LM head",
+                 PACKING + ["drafter.init_from_target=true", "drafter.norm_output=true", "drafter.train_lm_head=false"],
+                 "init_from_target"),
 }
 SETS = {"mtbench": (SHARED / "bench/mtbench.jsonl", 20), "heldout": (ROOT / "data_prep/prompts/heldout_train_dist.jsonl", 24)}
 SHAPES = {"chain": {"kind": "chain", "draft_length": 5}, "dynamic": {"kind": "dynamic", "depth": 5, "top_k": 8,
