@@ -49,7 +49,8 @@ COMMON = ["recipe=eagle3_head", f"target.path={TARGET}", f"data.train={DATA}/tra
           "train.weight_decay=0.01", "train.adam_beta1=0.9", "train.adam_beta2=0.999", "train.warmup_steps=0",
           "train.schedule=constant", "train.grad_clip=1.0", "train.num_threads=1", "train.log_every=1",
           "train.keep_last=0", "train.save_every=40", "train.grad_accum=1", "eval.every=0", "seed=0", "tracking=jsonl",
-          "train.pack_tokens=0"]   # padded unless a run packs (the recipe packs by default since this ablation)
+          "train.pack_tokens=0",    # padded unless a run packs (the recipe packs by default since this ablation)
+          "drafter.init_from_target=false"]  # and starts from scratch unless a run says so (the recipe's default since)
 
 # run name -> (what it changes, its overrides, the run it is compared with). The first runs change one thing
 # against `base`; once packing proved to keep tau (`packed`), the later single options change one thing against
