@@ -86,6 +86,9 @@ RUNS = {
     "combined": ("init_from_target with the options at the top of their range: norm_output, frozen LM head",
                  PACKING + ["drafter.init_from_target=true", "drafter.norm_output=true", "drafter.train_lm_head=false"],
                  "init_from_target"),
+    "combined_seed1": ("`combined` with seed 1", PACKING + ["drafter.init_from_target=true", "drafter.norm_output=true",
+                                                          "drafter.train_lm_head=false", "seed=1"],
+                       "init_from_target_seed1"),
 }
 SETS = {"mtbench": (SHARED / "bench/mtbench.jsonl", 20), "heldout": (ROOT / "data_prep/prompts/heldout_train_dist.jsonl", 24)}
 SHAPES = {"chain": {"kind": "chain", "draft_length": 5}, "dynamic": {"kind": "dynamic", "depth": 5, "top_k": 8,
