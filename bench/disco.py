@@ -64,7 +64,7 @@ def main(argv=None) -> None:
     from draftlab.data import encode_prompt, load_prompts
     from draftlab.drafters import load_drafter
     from draftlab.evaluator import evaluate_side_by_side, load_average, prompt_generator, speculative_generate
-    from draftlab.hub import checkpoint_target
+    from draftlab.checkpoint import checkpoint_target
     from draftlab.rounds import RoundLog, read_rounds
     from draftlab.target import eos_ids, load_target
     from draftlab.trees import TreeSpec

@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     from draftlab import costs
     from draftlab.checkpoint import resolve_checkpoint
     from draftlab.drafters import load_drafter
-    from draftlab.cli import checkpoint_target
+    from draftlab.checkpoint import checkpoint_target
     from draftlab.data import encode_prompt, load_prompts
     from draftlab.evaluator import evaluate_side_by_side, load_average
     from draftlab.target import load_target

@@ -315,3 +315,22 @@ def load_trainer_state(folder: str | Path) -> dict:
     except Exception as e:
         raise CheckpointError(f"{path} is corrupt ({type(e).__name__}): resume from an earlier step_N "
                               "folder (train.resume=PATH)") from None
+
+
+def checkpoint_target(folder: Path) -> str:
+    """The target path a checkpoint was trained with: its run's config.yaml, else its drafter config."""
+    import yaml
+
+    for cfg_file in (folder / "config.yaml", folder.parent / "config.yaml"):
+        if cfg_file.is_file():
+            try:
+                path = ((yaml.safe_load(cfg_file.read_text()) or {}).get("target") or {}).get("path")
+            except (yaml.YAMLError, AttributeError, OSError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{cfg_file} is not a readable run config ({type(e).__name__}): fix it or pass "
+                                      "--target PATH") from None
+            if path:
+                return str(path)
+    name = (read_drafter_config(folder).get("target") or {}).get("name_or_path")
+    if not name:
+        raise CheckpointError(f"cannot tell which target {folder} belongs to: pass --target PATH")
+    return name

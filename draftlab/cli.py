@@ -114,12 +114,11 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def cmd_eval(argv: list[str]) -> None:
-    from draftlab.checkpoint import resolve_checkpoint
+    from draftlab.checkpoint import checkpoint_target, resolve_checkpoint
     from draftlab.drafters import DRAFTERS, load_drafter
     from draftlab.config import ConfigError
     from draftlab.data import encode_prompt, load_prompts
     from draftlab.evaluator import evaluate
-    from draftlab.hub import checkpoint_target
     from draftlab.report import report_markdown, save_plots, summary_line, write_report
     from draftlab.rounds import drafter_identity
     from draftlab.target import eos_ids, load_target

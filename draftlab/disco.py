@@ -367,12 +367,11 @@ def log_rounds(args, out: Path) -> Path:
     extends the log)."""
     from tqdm import tqdm
 
-    from draftlab.checkpoint import resolve_checkpoint, write_text_atomic
+    from draftlab.checkpoint import checkpoint_target, resolve_checkpoint, write_text_atomic
     from draftlab.data import encode_prompt, load_prompts
     from draftlab.drafters import load_drafter
     from draftlab.errors import ConfigError
     from draftlab.evaluator import prompt_generator, speculative_generate
-    from draftlab.hub import checkpoint_target
     from draftlab.rounds import RoundLog, drafter_identity
     from draftlab.target import eos_ids, load_target
     from draftlab.trees import TreeSpec

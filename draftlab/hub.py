@@ -27,28 +27,13 @@ from safetensors.torch import load_file
 
 from draftlab import checkpoint as ckpt
 from draftlab import model_card
-from draftlab.config import REPO_ID_RE, load_yaml, repo_id_problem
+from draftlab.config import REPO_ID_RE, repo_id_problem
 from draftlab.drafters import DRAFTERS, load_drafter
 from draftlab.errors import HubError, OneLineParser, describe_disk_full, is_disk_full
 from draftlab.model_card import MARKER, NATIVE_DIR, REPORTS_DIR
 
 # ----------------------------------------------------------------------------------------------------------
 # the checkpoint being exported
-
-
-def checkpoint_target(folder: Path) -> str:
-    """The target path a checkpoint was trained with: its run's config.yaml, else its drafter config."""
-    from omegaconf import OmegaConf
-
-    for cfg_file in (folder / "config.yaml", folder.parent / "config.yaml"):
-        if cfg_file.is_file():
-            path = OmegaConf.select(load_yaml(cfg_file, "the run's config"), "target.path")
-            if path:
-                return str(path)
-    name = (ckpt.read_drafter_config(folder).get("target") or {}).get("name_or_path")
-    if not name:
-        raise ckpt.CheckpointError(f"cannot tell which target {folder} belongs to: pass --target PATH")
-    return name
 
 
 class Source:
@@ -61,7 +46,7 @@ class Source:
         self.kind = self.config.get("kind")
         if target_path is None:
             try:
-                target_path = checkpoint_target(folder)      # the run's target.path, else the drafter's record
+                target_path = ckpt.checkpoint_target(folder)  # the run's target.path, else the drafter's record
             except ckpt.CheckpointError:
                 if target is None:
                     raise

@@ -407,10 +407,9 @@ def cmd_serve_learn(argv: list[str]) -> None:
     if not args.follow and not Path(args.rounds).is_file():
         raise DataError(f"round log {args.rounds} not found: write one with draftlab eval --log-rounds (or pass "
                         "--follow to wait for it)")
-    from draftlab.checkpoint import resolve_checkpoint
+    from draftlab.checkpoint import checkpoint_target, resolve_checkpoint
     from draftlab.data import encode_prompt, load_prompts
     from draftlab.drafters import load_drafter
-    from draftlab.hub import checkpoint_target
     from draftlab.target import eos_ids, load_target
     from draftlab.train import pad_id
 
