@@ -221,7 +221,7 @@ def load_classifier(path: str | Path) -> StopClassifier:
                               f"{list(FEATURES)}: train it again with draftlab disco")
     model = StopClassifier(int(config["hidden"]), int(config["layers"]))
     model.load_state_dict(load_file(str(folder / WEIGHTS_NAME)))
-    model.info = config
+    model.info, model.folder = config, folder
     return model.eval()
 
 

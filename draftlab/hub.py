@@ -193,7 +193,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str =
             from draftlab import disco as stop
 
             (tmp / DISCO_DIR).mkdir()
-            shutil.copy2(Path(classifier.folder) / stop.WEIGHTS_NAME, tmp / DISCO_DIR / stop.WEIGHTS_NAME)
+            shutil.copy2(classifier.folder / stop.WEIGHTS_NAME, tmp / DISCO_DIR / stop.WEIGHTS_NAME)
             # the drafter it stops is the export's own checkpoint, named relative to it, so it stays right wherever
             # the export is downloaded to (disco.check_drafter resolves it)
             shipped = {**classifier.info, "shipped_from": (classifier.info.get("drafter") or {}).get("checkpoint")}
@@ -225,7 +225,6 @@ def stop_classifier(path: str | Path, src: Source):
     from draftlab.target import check_fingerprint
 
     classifier = stop.load_classifier(path)
-    classifier.folder = Path(path).parent if Path(path).name == stop.CONFIG_NAME else Path(path)
     logged = classifier.info.get("drafter") or {}
     check_fingerprint(logged.get("target") or {}, src.config.get("target") or {}, f"--disco {path}",
                       "ship the classifier trained from this drafter's rounds", HubError)

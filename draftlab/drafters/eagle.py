@@ -111,6 +111,11 @@ def ahead(features: Tensor, wanted: Tensor, docs: Tensor, valid: Tensor, offset:
     return target, weight * valid
 
 
+def with_feature_noise(x: Tensor, width: float, training: bool) -> Tensor:
+    """Training-time noise on fed-back target features: uniform in [-width/2, width/2] (none in eval or at 0)."""
+    return x + (torch.rand_like(x) - 0.5) * width if training and width > 0 else x
+
+
 class EagleHead(nn.Module):
     """FC([emb(x_{t+1}); f_t]) -> Llama decoder layer(s) -> f^_{t+1}; tokens via the target's frozen LM head.
 
@@ -248,20 +253,24 @@ class EagleHead(nn.Module):
         """Draft logits [..., Vd] -> logits over the target vocabulary [..., V], -inf outside the draft vocabulary."""
         return self.draft_head.expand(small)
 
+    def loss_inputs(self, batch: dict, features: Tensor) -> tuple[Tensor, ...]:
+        """What an EAGLE-style loss starts from: (ids [B,T], document ids [B,T], features in the head's dtype,
+        valid [B,T-1] (f_t and x_{t+1} real, in one conversation), wanted [B,T] (loss tokens of real documents), the
+        fed inputs f_{<T} [B,T-1,d] with training-time feature noise)."""
+        ids, docs = batch["input_ids"], packing.doc_ids(batch)
+        features = features.to(self.fc.weight.dtype)
+        valid = packing.same_doc(docs, 1)
+        wanted = batch["loss_mask"].bool() & (docs > 0)
+        inputs = with_feature_noise(features[:, :-1], self.feature_noise, self.training)
+        return ids, docs, features, valid, wanted, inputs
+
     def loss(self, batch: dict, features: Tensor) -> tuple[Tensor, dict[str, float]]:
         """batch: input_ids, attention_mask, loss_mask [B,T]; features [B,T,d] = target features f_t.
         Returns the sum over harmonized steps j of reg_weight * L_reg + cls_weight * L_cls (+ topk_weight * L_topk),
         see the module docstring for the alignment; one step is plain EAGLE training."""
         from draftlab.losses import topk_cross_entropy
 
-        ids, docs = batch["input_ids"], packing.doc_ids(batch)
-        features = features.to(self.fc.weight.dtype)
-        valid = packing.same_doc(docs, 1)                  # [B,T-1]: f_t and x_{t+1} real, in one conversation
-        wanted = batch["loss_mask"].bool() & (docs > 0)
-
-        inputs = features[:, :-1]
-        if self.training and self.feature_noise > 0:
-            inputs = inputs + (torch.rand_like(inputs) - 0.5) * self.feature_noise
+        ids, docs, features, valid, wanted, inputs = self.loss_inputs(batch, features)
         outputs = own_feature_steps(self, inputs, ids, valid, self.harmonized_steps, detach=True, docs=docs[:, :-1])
         total, metrics = features.new_zeros(()), {}
         for j, pred in enumerate(outputs):

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from draftlab import packing, vocab
-from draftlab.drafters.eagle import EagleProposer, own_feature_steps, ttt_mask
+from draftlab.drafters.eagle import EagleProposer, own_feature_steps, ttt_mask, with_feature_noise
 from draftlab.drafters.options import DrafterConfig, DraftVocabOption, check_target_size, settings
 from draftlab.serving import layer_config
 from draftlab.vocab import AUTO_DRAFT_VOCAB, expand_logits, vocab_maps
@@ -351,9 +351,7 @@ class EagleHead3(nn.Module):
         valid = packing.same_doc(docs, 1)               # slot t: g_t and x_{t+1} real, in one conversation
         total = torch.zeros((), device=ids.device)
         metrics: dict[str, float] = {}
-        aux = features[:, :-1, :-d]
-        if self.training and self.feature_noise > 0:
-            aux = aux + (torch.rand_like(aux) - 0.5) * self.feature_noise
+        aux = with_feature_noise(features[:, :-1, :-d], self.feature_noise, self.training)
         for j, hidden in enumerate(self.ttt_outputs(aux, ids, valid, docs[:, :-1])):
             weight = torch.zeros_like(valid)
             if n - 1 - j > 0:                        # drafted token x_{t+2+j} inside slot t's conversation

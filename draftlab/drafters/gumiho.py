@@ -58,7 +58,6 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from draftlab import packing
 from draftlab.drafters.eagle import EagleHead, EagleProposer, ahead, own_feature_steps
 from draftlab.drafters.medusa import ResBlock
 from draftlab.drafters.options import DrafterConfig, DraftVocabOption, EagleHeadOptions
@@ -145,13 +144,7 @@ class GumihoHeads(EagleHead):
         [(scale, terms)] per draft position: the serial head's (scale 1, offset 0: slot t drafts x_{t+2}), then MLP
         head i's (scale mlp_weight * mlp_decay^(i+1), offset s+i: slot t drafts x_{t+2+s+i}); terms as
         EagleHead.feature_terms (reg, cls, acc, ...)."""
-        ids, docs = batch["input_ids"], packing.doc_ids(batch)
-        features = features.to(self.fc.weight.dtype)
-        valid = packing.same_doc(docs, 1)                    # [B,T-1]: f_t and x_{t+1} real, in one conversation
-        wanted = batch["loss_mask"].bool() & (docs > 0)
-        inputs = features[:, :-1]
-        if self.training and self.feature_noise > 0:
-            inputs = inputs + (torch.rand_like(inputs) - 0.5) * self.feature_noise
+        ids, docs, features, valid, wanted, inputs = self.loss_inputs(batch, features)
         serial = own_feature_steps(self, inputs, ids, valid, 1, docs=docs[:, :-1])[0]     # slot t: f^_{t+1}
         out = [(1.0, self.feature_terms(serial, *ahead(features, wanted, docs, valid, 0)))]
         # slot t's pair for the token its output drafts: FC([emb(x_{t+2}); f^_{t+1}]); the MLPs read s in a row
