@@ -1,9 +1,11 @@
 #!/bin/bash
 # EAGLE-3 side by side: the vLLM project's speculators 0.9.0 and draftlab train the same head on the same data
 # (same conversations, tokens, epochs and draft vocabulary), both trainings at the same time on one thread each;
-# then `draftlab eval` scores both checkpoints on the same prompts. Results: bench/results/peer_speculators.{json,md}.
+# then `draftlab eval` scores both checkpoints on the same prompts. Each data size's figures go to
+# bench/results/peer_speculators/NAME.json; bench/results/peer_speculators.{json,md} gathers every size done so far.
 #
-#   bash bench/peer_speculators.sh /path/to/speculators-venv          # run from the draftlab checkout
+#   bash bench/peer_speculators.sh /path/to/speculators-venv                       # 392 conversations (N=400)
+#   N=1200 NAME=n1200 bash bench/peer_speculators.sh /path/to/speculators-venv     # all 1,184 answers
 #
 # The speculators venv: python3 -m venv V; V/bin/pip install torch==2.13.0; echo "torch==2.13.0+cpu" > c.txt;
 # V/bin/pip install -c c.txt speculators==0.9.0; V/bin/pip uninstall -y torchvision torchaudio
@@ -11,7 +13,7 @@
 # bench/peer_speculators/cpu_train.py (two monkeypatches), and its hidden states come from
 # bench/peer_speculators/gen_hidden_states.py (transformers, in place of its vLLM-only generate-offline-data).
 #
-# Settings (environment; defaults = the committed run): NAME N EPOCHS VOCAB TTT LR BATCH PACK RATIO MAXLEN
+# Settings (environment; defaults = the committed run): NAME N EPOCHS VOCAB TTT LR PACK DL_PACK DL_BATCH RATIO MAXLEN
 # NUM_MTBENCH NUM_HELDOUT MAX_NEW SHAPES; STAGES (any of: prep features train eval report); DATA_DIR SPEC_OUT DL_OUT EVAL_DIR.
 # Every stage skips work whose output exists, so a rerun continues.
 set -euo pipefail
@@ -19,17 +21,22 @@ SPEC_VENV=${1:?usage: bash bench/peer_speculators.sh SPECULATORS_VENV}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 HERE=$ROOT/bench/peer_speculators
-NAME=${NAME:-sbs400}
-N=${N:-400}                 # the first N conversations of DATA
+NAME=${NAME:-n400}
+N=${N:-400}                 # the first N conversations of DATA (1200 = all 1,184 answers)
 EPOCHS=${EPOCHS:-3}
 VOCAB=${VOCAB:-4096}        # draft vocabulary: the VOCAB most frequent assistant tokens of the training rows
 TTT=${TTT:-3}               # training-time-test steps (speculators' default)
 LR=${LR:-1e-3}              # constant on both sides (speculators --scheduler-type none, draftlab schedule=constant)
-BATCH=${BATCH:-8}           # draftlab: conversations per step (padded); speculators packs rows into PACK tokens
-PACK=${PACK:-2048}
+PACK=${PACK:-2048}          # speculators packs whole conversations into rows of at most PACK tokens
+# draftlab: recipe eagle3_head as it ships (packed rows, init_from_target, norm_output, frozen LM head) with
+# DL_BATCH packed rows of at most DL_PACK tokens a step (about the tokens of speculators' one 2048-token row;
+# draftlab's attention is dense over a row with a block mask, so 4 x 512 attends over a quarter of the pairs of
+# 1 x 2048). DL_PACK=0 trains padded batches of DL_BATCH conversations (the first side by side: DL_BATCH=8).
+DL_PACK=${DL_PACK:-512}
+DL_BATCH=${DL_BATCH:-4}
 RATIO=${RATIO:-0.98}        # speculators keeps int(rows * RATIO) rows for training, the rest for validation
 MAXLEN=${MAXLEN:-512}
-NUM_MTBENCH=${NUM_MTBENCH:-20}   # the first 20 MT-bench first turns
+NUM_MTBENCH=${NUM_MTBENCH:-80}   # all 80 MT-bench first turns
 NUM_HELDOUT=${NUM_HELDOUT:-24}   # all 24 held-out prompts of the training distribution
 MAX_NEW=${MAX_NEW:-128}
 STAGES=${STAGES:-prep features train eval report}
@@ -87,7 +94,9 @@ fi
 
 if has train; then
   ROWS=$($PY -c "import json; print(json.load(open('$DATA_DIR/split.json'))['train_rows'])")
-  STEPS=$(( EPOCHS * (ROWS / BATCH) ))   # draftlab drops the last partial batch of each epoch
+  # draftlab's steps for EPOCHS epochs, counted by its own batcher (it drops each epoch's last partial batch)
+  STEPS=$($PY "$HERE/prep_data.py" steps --dir "$DATA_DIR" --target "$TARGET" --max-length "$MAXLEN" \
+    --epochs "$EPOCHS" --batch "$DL_BATCH" --pack "$DL_PACK" 2>/dev/null)
   LOAD=$(watch_load "$DATA_DIR/load_train.txt")
   pids=()
   if [ ! -f "$SPEC_OUT/train.done" ]; then
@@ -106,12 +115,12 @@ if has train; then
     ( /usr/bin/time -v $PY -m draftlab.cli train recipe=eagle3_head target.path="$TARGET" \
         data.train="$DATA_DIR/train.jsonl" data.store="$DATA_DIR/train.store" data.max_length="$MAXLEN" \
         drafter.aux_layers=[2,15,27] drafter.ttt_steps="$TTT" drafter.ttt_decay=1.0 drafter.draft_vocab_size="$VOCAB" \
-        train.max_steps="$STEPS" train.batch_size="$BATCH" train.grad_accum=1 train.lr="$LR" train.weight_decay=0.01 \
+        train.max_steps="$STEPS" train.batch_size="$DL_BATCH" train.grad_accum=1 train.lr="$LR" train.weight_decay=0.01 \
         train.adam_beta1=0.9 train.adam_beta2=0.999 train.warmup_steps=0 train.schedule=constant train.grad_clip=1.0 \
         train.num_threads=1 train.log_every=1 train.keep_last=0 eval.every=0 seed=0 tracking=jsonl \
-        train.pack_tokens=0 out_dir="$DL_OUT" > "$DL_OUT.train.log" 2>&1 && touch "$DL_OUT/train.done" ) & pids+=($!)
+        train.pack_tokens="$DL_PACK" out_dir="$DL_OUT" > "$DL_OUT.train.log" 2>&1 && touch "$DL_OUT/train.done" ) & pids+=($!)
   fi
-  log "training: ${#pids[@]} job(s) at the same time ($STEPS draftlab steps of $BATCH; speculators packs $PACK tokens)"
+  log "training: ${#pids[@]} job(s) at the same time ($STEPS draftlab steps of $DL_BATCH rows, packed to $DL_PACK; speculators packs $PACK tokens)"
   status=0
   for p in "${pids[@]}"; do wait "$p" || status=1; done
   kill "$LOAD"
@@ -148,6 +157,6 @@ fi
 if has report; then
   $PY "$HERE/report.py" --command "DATA_DIR=$DATA_DIR SPEC_OUT=$SPEC_OUT DL_OUT=$DL_OUT bash bench/peer_speculators.sh $SPEC_VENV" \
     --data-dir "$DATA_DIR" --spec-out "$SPEC_OUT" --dl-out "$DL_OUT" --eval-dir "$EVAL_DIR" \
-    --spec-venv "$SPEC_VENV" --out bench/results/peer_speculators \
-    --settings "N=$N EPOCHS=$EPOCHS VOCAB=$VOCAB TTT=$TTT LR=$LR BATCH=$BATCH PACK=$PACK RATIO=$RATIO MAXLEN=$MAXLEN NUM_MTBENCH=$NUM_MTBENCH NUM_HELDOUT=$NUM_HELDOUT MAX_NEW=$MAX_NEW"
+    --spec-venv "$SPEC_VENV" --name "$NAME" --out bench/results/peer_speculators \
+    --settings "N=$N EPOCHS=$EPOCHS VOCAB=$VOCAB TTT=$TTT LR=$LR PACK=$PACK DL_PACK=$DL_PACK DL_BATCH=$DL_BATCH RATIO=$RATIO MAXLEN=$MAXLEN NUM_MTBENCH=$NUM_MTBENCH NUM_HELDOUT=$NUM_HELDOUT MAX_NEW=$MAX_NEW"
 fi

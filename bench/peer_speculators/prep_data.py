@@ -12,6 +12,10 @@
         token counts of the training rows to DIR/token_freq_train.pt (speculators' --token-freq-path: both draft
         vocabularies are then the VOCAB most frequent assistant tokens of the same rows, ties by id), and
         DIR/split.json (counts).
+    python prep_data.py steps --dir DIR --target SPEC --max-length 512 --epochs 3 --batch 4 --pack 512
+        (draftlab's Python) draftlab's optimizer steps for EPOCHS epochs of DIR/train.jsonl: rows // batch per
+        epoch when --pack is 0, else the packed rows of each epoch's permutation // batch (draftlab's own
+        runtime.Batches, so the count is the one its training walks through)
 """
 from __future__ import annotations
 
@@ -83,6 +87,17 @@ def cmd_split(args) -> None:
     print({k: v for k, v in info.items() if not k.endswith("indices")})
 
 
+def cmd_steps(args) -> None:
+    from draftlab.data import ChatDataset, read_conversations
+    from draftlab.runtime import Batches
+    from draftlab.target import load_target
+
+    _, tokenizer = load_target(args.target, "float32", "cpu")
+    ds = ChatDataset(read_conversations(str(Path(args.dir) / "train.jsonl"))[0], tokenizer, args.max_length)
+    batches = Batches(ds, args.batch, 1, 0, args.seed, tokenizer.pad_token_id or 0, pack_tokens=args.pack)
+    print(sum(len(batches.epoch_batches(e)) for e in range(args.epochs)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -95,8 +110,16 @@ def main() -> None:
     s = sub.add_parser("split")
     s.add_argument("--dir", required=True)
     s.add_argument("--ratio", type=float, required=True)
+    st = sub.add_parser("steps", help="draftlab's optimizer steps for some epochs (packed or padded)")
+    st.add_argument("--dir", required=True)
+    st.add_argument("--target", required=True)
+    st.add_argument("--max-length", type=int, default=512)
+    st.add_argument("--epochs", type=int, required=True)
+    st.add_argument("--batch", type=int, required=True)
+    st.add_argument("--pack", type=int, default=0)
+    st.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    {"tokenize": cmd_tokenize, "split": cmd_split}[args.cmd](args)
+    {"tokenize": cmd_tokenize, "split": cmd_split, "steps": cmd_steps}[args.cmd](args)
 
 
 if __name__ == "__main__":
