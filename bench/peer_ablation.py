@@ -4,7 +4,7 @@
     python bench/peer_ablation.py --runs base,packed --stages train --jobs 2
     python bench/peer_ablation.py --stages report
 
-Data and settings are those of the side by side (bench/peer_speculators.sh, bench/results/peer_speculators.md):
+Data and settings are those of the side by side (bench/peer_speculators.sh, bench/results/peer_speculators_first.md):
 the same 392 conversations of smollm2_answers.jsonl (speculators' training split, rebuilt by
 bench/peer_ablation/make_data.py), offline target features (layers 2, 15, 27 and the last, fp32), 3 epochs,
 4,096-token draft vocabulary, TTT 3 with equal weights, AdamW lr 1e-3 constant, betas (0.9, 0.999), weight decay
@@ -275,7 +275,7 @@ def report() -> None:
     lines += ["", "tau: acceptance length (new tokens per target forward, bonus token included); in brackets the "
               "difference to the run in `against` (the run it changes one thing of). Train tokens/s: conversation tokens per second of training steps, one thread; "
               "runs that trained at the same time as others on this 2-core machine share its load, so only large "
-              "speed differences mean much. speculators' figures at these settings: bench/results/peer_speculators.md."]
+              "speed differences mean much. speculators' figures at these settings: bench/results/peer_speculators_first.md."]
     notes = ROOT / "bench/peer_ablation/notes.md"     # the reading of the runs so far, kept by hand
     if notes.exists():
         lines += ["", notes.read_text().rstrip()]

@@ -1,5 +1,5 @@
 """The side by side's training rows, rebuilt without speculators: the conversations of smollm2_answers.jsonl whose
-indices bench/results/peer_speculators.json recorded as speculators' training split (data.train_source_indices).
+indices bench/results/peer_speculators_first.json recorded as speculators' training split (data.train_source_indices).
 
     python bench/peer_ablation/make_data.py --out DIR [--data ../shared/bench/smollm2_answers.jsonl]
 writes DIR/train.jsonl (messages rows, file order) and DIR/split.json (the indices and the source)."""
@@ -18,7 +18,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--data", default=str(ROOT.parent / "shared/bench/smollm2_answers.jsonl"))
-    ap.add_argument("--split-from", default=str(ROOT / "bench/results/peer_speculators.json"))
+    ap.add_argument("--split-from", default=str(ROOT / "bench/results/peer_speculators_first.json"))
     args = ap.parse_args()
     recorded = json.loads(Path(args.split_from).read_text())["data"]
     indices = recorded["train_source_indices"]
