@@ -1,6 +1,6 @@
 """What llama.cpp itself can do with the target's GGUF on this CPU: the ceiling for draftlab's llama_cpp backend.
 
-    python bench/llama_cpp_ceiling.py --threads 1
+    python bench/llama_cpp_ceiling.py --threads 1 --transformers
 
 Measured with llama-cpp-python's low-level API, no draftlab code in the loop: N sequences (N = 1, 4, 8, ...) each
 get the same prompt of --prompt-tokens tokens (prefilled once, copied to the others), then --steps calls of
@@ -9,7 +9,8 @@ seconds in those calls: the upper bound of batched greedy decoding at that width
 prompts' own prefill come on top). Also timed: prefill of one batch of --prompt-tokens tokens (prompt tokens/s).
 With --transformers, the same decode step through the transformers model (fp32 weights dequantised from the GGUF,
 a DynamicCache, the same widths and thread count), for comparison with the reference backend.
-Writes bench/results/llama_cpp_ceiling.{json,md}.
+`--weights gguf,bf16` (the default) times the file as it is and draftlab's bf16 conversion of it (the llama_cpp
+backend's `weights=` option). Writes bench/results/llama_cpp_ceiling.{json,md}.
 """
 from __future__ import annotations
 
@@ -144,57 +145,68 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=16, help="timed decode calls per width")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved passes over the widths")
     ap.add_argument("--flash-attn", action="store_true")
+    ap.add_argument("--weights", default="gguf,bf16",
+                    help="comma-separated: gguf (the file as it is) and/or bf16, f16, f32, q8_0 (draftlab's cached "
+                         "conversions, as the backend's weights= option)")
     ap.add_argument("--transformers", action="store_true", help="also time transformers' decode step")
     args = ap.parse_args(argv)
 
+    from draftlab.engines import converted_gguf
     from draftlab.evaluator import load_average
     from draftlab.target import resolve_target_path
 
     gguf = resolve_target_path(args.target)
     widths = [int(w) for w in args.widths.split(",")]
+    kinds = [w.strip() for w in args.weights.split(",") if w.strip()]
+    files = {k: converted_gguf(gguf, k) for k in kinds}  # converted before the clock starts
     load = [load_average()]
     t0 = time.time()
-    raw, extra = llama_widths(gguf, widths, args.threads, args.prompt_tokens, args.steps, args.repeats,
-                              args.flash_attn)
     result = {"header": {"command": "python " + " ".join(sys.argv), "threads": args.threads, "nproc": os.cpu_count(),
                          "prompt_tokens": args.prompt_tokens, "steps": args.steps, "repeats": args.repeats,
-                         "flash_attn": args.flash_attn, "model_file": Path(gguf).name,
+                         "flash_attn": args.flash_attn, "model_file": Path(gguf).name, "weights": kinds,
                          "llama_cpp_python": __import__("llama_cpp").__version__,
                          "system_info": __import__("llama_cpp").llama_print_system_info().decode().strip()},
-              "llama_cpp": summarise(raw), "llama_cpp_runs": raw, **extra}
+              "llama_cpp": {}}
+    for kind, path in files.items():
+        raw, extra = llama_widths(path, widths, args.threads, args.prompt_tokens, args.steps, args.repeats,
+                                  args.flash_attn)
+        result["llama_cpp"][kind] = {"widths": summarise(raw), "runs": raw, **extra}
     if args.transformers:
         traw = transformers_widths(args.target, widths, args.threads, args.prompt_tokens, args.steps, args.repeats)
-        result["transformers"], result["transformers_runs"] = summarise(traw), traw
+        result["transformers"] = {"widths": summarise(traw), "runs": traw}
     load.append(load_average())
     result["header"]["load_average"] = load
     result["header"]["seconds"] = round(time.time() - t0, 1)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    h = result["header"]
+    write_md(result)
+
+
+def write_md(result: dict) -> None:
+    h, load = result["header"], result["header"]["load_average"]
     lines = [f"`{h['command']}`", "",
-             f"One `llama_decode` over N tokens of N different sequences (each at {h['prompt_tokens']} tokens of "
-             f"context), logits for all N; {h['steps']} steps per width, {h['repeats']} interleaved repeats: median "
-             f"(min-max) decode tokens/s. {h['threads']} thread(s) on a {h['nproc']}-core machine (load average "
-             f"{load[0]} at the start, {load[1]} at the end). llama-cpp-python {h['llama_cpp_python']}, "
-             f"{h['model_file']}, flash attention {'on' if h['flash_attn'] else 'off'}. Prompt prefill "
-             f"({h['prompt_tokens']} tokens in one batch): {result['prompt_tokens_per_second']:.0f} tokens/s; "
-             f"{result['prompts_prefilled_together']} such prompts in one batch: "
-             f"{result['prompt_tokens_per_second_batched']:.0f} tokens/s.", "",
-             "| N sequences | llama.cpp tokens/s | x N=1 |" + (" transformers tokens/s | llama.cpp / transformers |"
-                                                           if args.transformers else ""),
-             "|---|---|---|" + ("---|---|" if args.transformers else "")]
-    one = result["llama_cpp"][0]["tokens_per_second"]
-    for k, row in enumerate(result["llama_cpp"]):
-        line = (f"| {row['width']} | {row['tokens_per_second']:.1f} ({row['min']:.1f}-{row['max']:.1f}) | "
-                f"{row['tokens_per_second'] / one:.2f} |")
-        if args.transformers:
-            t = result["transformers"][k]
-            line += (f" {t['tokens_per_second']:.1f} ({t['min']:.1f}-{t['max']:.1f}) | "
-                     f"{row['tokens_per_second'] / t['tokens_per_second']:.2f} |")
-        lines.append(line)
+             f"One `llama_decode` over N tokens of N different sequences (one KV stream each, every sequence at "
+             f"{h['prompt_tokens']} tokens of context), logits for all N; {h['steps']} steps per width, "
+             f"{h['repeats']} interleaved repeats: median (min-max) decode tokens/s. {h['threads']} thread(s) on a "
+             f"{h['nproc']}-core machine (load average {load[0]} at the start, {load[1]} at the end). "
+             f"llama-cpp-python {h['llama_cpp_python']}, {h['model_file']} as it is (gguf) and converted by "
+             f"draftlab (`weights=`), flash attention {'on' if h['flash_attn'] else 'off'}. "
+             + (" transformers: the same decode step through the fp32 model dequantised from the GGUF (DynamicCache)."
+                if "transformers" in result else ""), ""]
+    cols = {f"llama.cpp {k}": v["widths"] for k, v in result["llama_cpp"].items()}
+    if "transformers" in result:
+        cols["transformers fp32"] = result["transformers"]["widths"]
+    lines += ["| N sequences | " + " | ".join(f"{c} tokens/s" for c in cols) + " |",
+              "|---|" + "---|" * len(cols)]
+    for k, w in enumerate(next(iter(cols.values()))):
+        cells = [f"{c[k]['tokens_per_second']:.1f} ({c[k]['min']:.1f}-{c[k]['max']:.1f})" for c in cols.values()]
+        lines.append(f"| {w['width']} | " + " | ".join(cells) + " |")
+    lines += ["", "Prompt prefill, prompt tokens/s (median): "
+              + "; ".join(f"{k}: {v['prompt_tokens_per_second']:.0f} for one prompt of {h['prompt_tokens']} tokens, "
+                          f"{v['prompt_tokens_per_second_batched']:.0f} for {v['prompts_prefilled_together']} of them "
+                          "in one batch" for k, v in result["llama_cpp"].items()) + "."]
     OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-
 
 if __name__ == "__main__":
     main()
