@@ -106,7 +106,8 @@ def main(argv=None) -> None:
               "max_new_tokens": args.max_new_tokens, "threads": args.threads, "nproc": os.cpu_count(),
               "load_average": [load_start, load_average()], "prompts_tokenised_identically": same_prompt_tokens,
               "llama_cpp_python": __import__("llama_cpp").__version__, "model_file": Path(gguf).name,
-              "model_sha256": llama.describe()["model_sha256"], **prompt_token_counts([llama.encode(p) for p in prompts])}
+              "model_sha256": llama.describe()["model_sha256"],
+              **prompt_token_counts([llama.encode(p) for p in prompts])}
     write(header, runs, faithfulness)
 
 
@@ -182,8 +183,8 @@ def write(header: dict, runs: dict[str, list[dict]], faithfulness: dict) -> None
              f"other jobs (load average {header['load_average'][0]} at the start, {header['load_average'][1]} at the "
              f"end); {rows[0]['repeats']} interleaved repeats: median (min-max). llama-cpp-python "
              f"{header['llama_cpp_python']}, {header['model_file']} (sha256 {header['model_sha256'][:12]}...).", "",
-             "| backend | new tokens/s | new tokens per CPU-s (this process) | x transformers (tokens/s; per-repeat range) "
-             "| tokens |",
+             "| backend | new tokens/s | new tokens per CPU-s (this process) | x transformers (tokens/s; per-repeat "
+             "range) | tokens |",
              "|---|---|---|---|---|"]
     for r in rows:
         cells = [f"{r[k]:.1f} ({r[k + '_min']:.1f}-{r[k + '_max']:.1f})" for k in RATES]

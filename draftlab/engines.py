@@ -184,9 +184,9 @@ def render_chat(template: str, messages: list[dict], bos: str, eos: str) -> str:
                                             eos_token=eos)
 
 
-# What `weights` may be: the GGUF as it is, or llama.cpp's file type to convert its matrices to. On a CPU llama.cpp
-# has matrix-matrix kernels for bf16 / f16 / f32 / q8_0 but multiplies Q4_1 one token column at a time, so a batch
-# of sequences gains little on a Q4_1 file (bench/llama_cpp_ceiling.py measures it).
+# What `weights` may be: the GGUF as it is, or llama.cpp's file type to convert its matrices to. On a CPU a batch of
+# sequences gains little on a Q4_1 file (decoding levels off at about 130 tokens/s on one core of the AVX512-BF16
+# machine here, bf16 reaches 270: bench/llama_cpp_ceiling.py).
 LLAMA_WEIGHTS = {"gguf": None, "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "f16": "LLAMA_FTYPE_MOSTLY_F16",
                  "f32": "LLAMA_FTYPE_ALL_F32", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
 
@@ -225,7 +225,7 @@ def converted_gguf(model_file: str, weights: str = "gguf") -> str:
 class LlamaCppBackend:
     """llama.cpp on a GGUF file, `parallel` sequences per decode step (one KV stream each of `context` tokens),
     `threads` CPU threads, flash attention only when `flash_attn`, the file's matrices as they are or converted to
-    `weights` (see `converted_gguf`; "bf16" is about 2.5x faster than Q4_1 at 32 sequences on an AVX512-BF16 CPU).
+    `weights` (see `converted_gguf`; "bf16" decoded 1.9x faster than Q4_1 at 32 sequences on an AVX512-BF16 CPU).
 
     Prompts are rendered with the GGUF's own chat template and tokenised by llama.cpp; greedy picks the argmax
     of each sequence's logits, temperature > 0 samples from softmax(logits / T) with a seeded generator.
