@@ -50,10 +50,13 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads, the same for every backend")
     ap.add_argument("--render", action="store_true", help="only rewrite the table from the JSON's recorded runs")
+    ap.add_argument("--out", default=str(OUT.relative_to(ROOT)),
+                    help="results path without suffix (.json and .md are written), relative to the project root")
     args = ap.parse_args(argv)
+    out = ROOT / args.out
     if args.render:
-        saved = json.loads(OUT.with_suffix(".json").read_text())
-        write(saved["header"], {r["config"]: r["runs"] for r in saved["rows"]}, saved["faithfulness"])
+        saved = json.loads(out.with_suffix(".json").read_text())
+        write(saved["header"], {r["config"]: r["runs"] for r in saved["rows"]}, saved["faithfulness"], out)
         return
 
     import torch
@@ -108,7 +111,7 @@ def main(argv=None) -> None:
               "llama_cpp_python": __import__("llama_cpp").__version__, "model_file": Path(gguf).name,
               "model_sha256": llama.describe()["model_sha256"],
               **prompt_token_counts([llama.encode(p) for p in prompts])}
-    write(header, runs, faithfulness)
+    write(header, runs, faithfulness, out)
 
 
 def prompt_token_counts(encoded: list[list[int]]) -> dict:
@@ -158,7 +161,7 @@ RATES = {"new_tokens_per_second": ("new_tokens", "wall_seconds"),
          "new_tokens_per_cpu_second": ("new_tokens", "cpu_seconds")}
 
 
-def write(header: dict, runs: dict[str, list[dict]], faithfulness: dict) -> None:
+def write(header: dict, runs: dict[str, list[dict]], faithfulness: dict, out: Path = OUT) -> None:
     """bench/results/answer_throughput.{json,md}: per backend, each rate's median over the repeats (min-max), its
     ratio to the first (transformers) row's median, and the faithfulness figures."""
     rows = []
@@ -174,8 +177,8 @@ def write(header: dict, runs: dict[str, list[dict]], faithfulness: dict) -> None
         per = [x["new_tokens"] / x["wall_seconds"] / (t["new_tokens"] / t["wall_seconds"])
                for x, t in zip(row["runs"], rows[0]["runs"])]
         row["ratio_min"], row["ratio_max"] = min(per), max(per)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows, "faithfulness": faithfulness},
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows, "faithfulness": faithfulness},
                                                    indent=2) + "\n")
     lines = [f"`{header['command']}`", "",
              f"{header['num_prompts']} prompts of train_prompts.jsonl x up to {header['max_new_tokens']} new tokens, "
@@ -206,7 +209,7 @@ def write(header: dict, runs: dict[str, list[dict]], faithfulness: dict) -> None
               "activations quantised to 8 bits per block for the dot products) or on draftlab's conversion of them "
               "(bf16: weights and activations rounded to bf16), with its own kernels and accumulation order, so "
               "greedy answers can part once two candidates are close."]
-    OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
@@ -223,8 +226,11 @@ def goal_lines(header: dict, rows: list[dict]) -> list[str]:
            + ("met in every repeat." if met else f"missed by a factor of {5 / best['ratio_to_transformers']:.2f} "
               f"({5 * base - best['new_tokens_per_second']:.1f} tokens/s short).")]
     ceiling = OUT.with_name("llama_cpp_ceiling.json")
-    if ceiling.is_file() and "prompt_tokens" in header:
-        c = json.loads(ceiling.read_text())
+    c = json.loads(ceiling.read_text()) if ceiling.is_file() else None
+    if c is not None and c["header"]["threads"] != header["threads"]:
+        out += ["", f"Ceiling: bench/results/llama_cpp_ceiling.json was measured at {c['header']['threads']} "
+                f"thread(s), this run at {header['threads']}: not comparable, not shown."]
+    elif c is not None and "prompt_tokens" in header:
         new = statistics.median(r["runs"][0]["new_tokens"] for r in llama)
         prefill = header["prompt_tokens"] - header["num_prompts"] * header["shared_prefix_tokens"]
         parts = []

@@ -156,8 +156,9 @@ def evaluate(name: str, shapes: list[str]) -> None:
         raise SystemExit(f"evaluating {name} failed (exit {code}): see {CACHE / f'{name}.eval.log'}")
 
 
-def score(name: str, shapes: list[str]) -> None:
-    """(in a child process) tau of run `name` on every prompt set x shape, against cached target-only outputs."""
+def score(name: str, shapes: list[str], runs_dir: Path = RUNS_DIR, cache: Path = CACHE) -> None:
+    """(in a child process) tau of run `runs_dir/name` on every prompt set x shape, against cached target-only
+    outputs (shared by every script that scores these sets: CACHE/baseline_SET.json); cells go to cache/."""
     import torch
 
     from draftlab.data import encode_prompt, load_prompts
@@ -169,12 +170,12 @@ def score(name: str, shapes: list[str]) -> None:
 
     torch.set_num_threads(1)
     target, tok = load_target(TARGET, "float32", "cpu")
-    drafter = load_drafter(RUNS_DIR / name, target).eval()
+    drafter = load_drafter(runs_dir / name, target).eval()
     sampling, eos = Sampling(temperature=0.0), eos_ids(tok, target)
     for shape in shapes:                        # chains of both sets first: the cheaper cells land sooner
         spec = SHAPES[shape]
         for set_name, (path, num) in SETS.items():
-            out = CACHE / f"{name}_{set_name}_{shape}.json"
+            out = cache / f"{name}_{set_name}_{shape}.json"
             if out.exists():
                 continue
             prompts = load_prompts(str(path), limit=num)
@@ -207,9 +208,10 @@ def cached_baseline(set_name: str, target, ids, sampling, eos) -> dict:
     return json.loads(path.read_text())
 
 
-def training_figures(name: str) -> dict:
-    """Steps, tokens, train seconds and tokens/s (metrics.jsonl), padding share, peak RSS (/usr/bin/time -v)."""
-    out = RUNS_DIR / name
+def training_figures(name: str, runs_dir: Path = RUNS_DIR) -> dict:
+    """Steps, tokens, train seconds and tokens/s (metrics.jsonl), padding share, peak RSS (/usr/bin/time -v of
+    runs_dir/NAME.train.log)."""
+    out = runs_dir / name
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     real = sum(r["train_tokens"] for r in rows)
     slots = sum(r["train_tokens"] / max(1e-9, 1 - r["padding_share"]) for r in rows)
@@ -219,7 +221,7 @@ def training_figures(name: str) -> dict:
                "padding_share": 1 - real / slots if slots else None}
     acc = [r["acc_0"] for r in rows[-(len(rows) // EPOCHS or 1):] if "acc_0" in r]
     figures["train_top1_last_epoch"] = sum(acc) / len(acc) if acc else None
-    text = (RUNS_DIR / f"{name}.train.log").read_text(errors="replace")
+    text = (runs_dir / f"{name}.train.log").read_text(errors="replace")
     rss = re.findall(r"Maximum resident set size \(kbytes\): (\d+)", text)
     figures["peak_rss_gb"] = int(rss[-1]) / 1024 ** 2 if rss else None
     return figures
