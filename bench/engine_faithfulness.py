@@ -248,7 +248,7 @@ def report(num: int) -> None:
               "|---|---|---|---|---|---|" + "---|" * len(cells) + "---|"]
     for r in runs:
         checks = [v for k, v in r.items() if k.startswith("lossless_")]
-        lines.append(f"| {r['run']} | {r['answers']} | {r['seed']} | {r['steps']} | {r['train_tokens']:,} | "
+        lines.append(f"| {r['run']} | {r['answers']} | {r['seed']} | {r['steps']} | {int(r['train_tokens']):,} | "
                      f"{num_(r.get('train_tokens_per_second'), '.1f')} | "
                      + " | ".join(num_(r.get(c), ".3f") for c in cells) + f" | {all(checks) if checks else '-'} |")
     if verdicts:
