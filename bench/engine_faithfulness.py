@@ -173,17 +173,6 @@ def train(name: str, source: str, seed: int, steps: int) -> None:
     (out / "train.done").write_text(time.strftime("%Y-%m-%d %H:%M:%S") + "\n")
 
 
-def evaluate(name: str, shapes: list[str]) -> None:
-    if all((CACHE / f"{name}_{s}_{t}.json").exists() for s in pa.SETS for t in shapes):
-        return
-    log(f"eval {name}")
-    with open(CACHE / f"{name}.eval.log", "a") as f:
-        code = subprocess.call([sys.executable, __file__, "--score", name, "--shapes", ",".join(shapes)],
-                               stdout=f, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
-    if code != 0:
-        raise SystemExit(f"evaluating {name} failed (exit {code}): see {CACHE / f'{name}.eval.log'}")
-
-
 def report(num: int) -> None:
     from draftlab.target import load_target
 
@@ -294,7 +283,7 @@ def main() -> None:
             if "train" in stages:
                 train(name, source, seed, steps)
             if "eval" in stages and (RUNS_DIR / name / "train.done").exists():
-                evaluate(name, shapes)
+                pa.evaluate(name, shapes, CACHE, __file__)
         except (Exception, SystemExit) as e:
             log(f"{name} failed: {e}")
             return f"{name}: {e}"

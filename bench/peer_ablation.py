@@ -142,18 +142,19 @@ def train(name: str, steps: int) -> None:
     (out / "train.done").write_text(time.strftime("%Y-%m-%d %H:%M:%S") + "\n")
 
 
-def evaluate(name: str, shapes: list[str]) -> None:
-    """Score one run on both prompt sets and the given shapes (one process: the target loads once)."""
-    todo = [(s, t) for s in SETS for t in shapes if not (CACHE / f"{name}_{s}_{t}.json").exists()]
+def evaluate(name: str, shapes: list[str], cache: Path = CACHE, script: str = __file__) -> None:
+    """Score one run on both prompt sets and the given shapes (one process: the target loads once), by running
+    `script --score NAME` (this file, or a script that calls score() with its own folders); cells go to cache/."""
+    todo = [(s, t) for s in SETS for t in shapes if not (cache / f"{name}_{s}_{t}.json").exists()]
     if not todo:
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     log(f"eval {name}: {todo}")
-    with open(CACHE / f"{name}.eval.log", "a") as f:
-        code = subprocess.call([sys.executable, __file__, "--score", name, "--shapes", ",".join(shapes)], stdout=f, stderr=subprocess.STDOUT,
-                               env=env, cwd=ROOT)
+    with open(cache / f"{name}.eval.log", "a") as f:
+        code = subprocess.call([sys.executable, script, "--score", name, "--shapes", ",".join(shapes)],
+                               stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     if code != 0:
-        raise SystemExit(f"evaluating {name} failed (exit {code}): see {CACHE / f'{name}.eval.log'}")
+        raise SystemExit(f"evaluating {name} failed (exit {code}): see {cache / f'{name}.eval.log'}")
 
 
 def score(name: str, shapes: list[str], runs_dir: Path = RUNS_DIR, cache: Path = CACHE) -> None:
