@@ -242,9 +242,11 @@ def test_end_to_end_on_a_tiny_target_and_a_resumed_run_makes_the_same_rows(endin
 
 
 def test_the_command_writes_a_prompt_set_that_load_prompts_reads(tiny_tokenizer, tmp_path, monkeypatch):
-    monkeypatch.setattr(script, "make_backend", lambda *a, **k: ScriptedBackend(tiny_tokenizer))
-    args = cli_args("unused", tmp_path, "--num", "16")
+    asked = {}
+    monkeypatch.setattr(script, "make_backend", lambda *a, **k: asked.update(k) or ScriptedBackend(tiny_tokenizer))
+    args = cli_args("unused", tmp_path, "--num", "16", "--weights", "bf16")
     assert script.main(args) == 0
+    assert asked["weights"] == "bf16"  # llama.cpp's converted copy, as data_prep/regenerate.py offers
     prompts = load_prompts(str(tmp_path / "set.jsonl.gz"))
     figures = json.loads((tmp_path / "stats.json").read_text())
     assert len(prompts) == figures["kept"] > 0
