@@ -56,6 +56,7 @@ COMMON = ["recipe=eagle3_head", f"target.path={TARGET}", f"data.train={DATA}/tra
 # against `base`; once packing proved to keep tau (`packed`), the later single options change one thing against
 # `packed`, which trains in two thirds of the time: their overrides include packing.
 PACKING = [f"train.pack_tokens={PACK}"]
+COMBINED = PACKING + ["drafter.init_from_target=true", "drafter.norm_output=true", "drafter.train_lm_head=false"]
 RUNS = {
     "base": ("draftlab's head as in the side by side: 8 padded conversations a step", [], None),
     "packed": (f"packed batches: {PACKED_BATCH} rows of at most {PACK} tokens a step, no padding, document-masked",
@@ -89,6 +90,11 @@ RUNS = {
     "combined_seed1": ("`combined` with seed 1", PACKING + ["drafter.init_from_target=true", "drafter.norm_output=true",
                                                           "drafter.train_lm_head=false", "seed=1"],
                        "init_from_target_seed1"),
+    # beyond the peer: the learning rate of the shipped head (the side by side's 1e-3 constant on both sides so far)
+    "combined_lr3e-4": ("`combined` at lr 3e-4 (constant)", COMBINED + ["train.lr=3e-4"], "combined"),
+    "combined_lr3e-3": ("`combined` at lr 3e-3 (constant)", COMBINED + ["train.lr=3e-3"], "combined"),
+    "combined_lr3e-4_seed1": ("`combined_lr3e-4` with seed 1", COMBINED + ["train.lr=3e-4", "seed=1"], "combined_seed1"),
+    "combined_lr3e-3_seed1": ("`combined_lr3e-3` with seed 1", COMBINED + ["train.lr=3e-3", "seed=1"], "combined_seed1"),
 }
 SETS = {"mtbench": (SHARED / "bench/mtbench.jsonl", 20), "heldout": (ROOT / "data_prep/prompts/heldout_train_dist.jsonl", 24)}
 SHAPES = {"chain": {"kind": "chain", "draft_length": 5}, "dynamic": {"kind": "dynamic", "depth": 5, "top_k": 8,
@@ -229,9 +235,14 @@ def training_figures(name: str, runs_dir: Path = RUNS_DIR) -> dict:
 
 
 def report() -> None:
+    # a run whose checkpoints are gone (another machine, a cleaned checkpoints/) keeps the row it had last time
+    recorded = {r["run"]: r for r in json.loads(OUT.with_suffix(".json").read_text())["runs"]} \
+        if OUT.with_suffix(".json").exists() else {}
     rows = []
     for name, (what, overrides, against) in RUNS.items():
         if not (RUNS_DIR / name / "train.done").exists():
+            if name in recorded:
+                rows.append(recorded[name])
             continue
         row = {"run": name, "changes": what, "overrides": overrides, "against": against, **training_figures(name)}
         for s in SETS:
