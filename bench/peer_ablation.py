@@ -93,9 +93,15 @@ RUNS = {
     # beyond the peer: the learning rate of the shipped head (the side by side's 1e-3 constant on both sides so far)
     "combined_lr3e-4": ("`combined` at lr 3e-4 (constant)", COMBINED + ["train.lr=3e-4"], "combined"),
     "combined_lr3e-3": ("`combined` at lr 3e-3 (constant)", COMBINED + ["train.lr=3e-3"], "combined"),
-    "combined_lr3e-4_seed1": ("`combined_lr3e-4` with seed 1", COMBINED + ["train.lr=3e-4", "seed=1"], "combined_seed1"),
-    "combined_lr3e-3_seed1": ("`combined_lr3e-3` with seed 1", COMBINED + ["train.lr=3e-3", "seed=1"], "combined_seed1"),
+    # more signal from the same conversations: the loss at prompt positions too, or later TTT steps weighted less
+    "combined_all_tokens": ("`combined` with the loss also on prompt tokens (the target's distribution is known "
+                            "there)", COMBINED + ["drafter.loss_tokens=all"], "combined"),
+    "combined_ttt_decay0.8": ("`combined` with TTT step j weighted 0.8^j (the recipe's decay) instead of equally",
+                              COMBINED + ["drafter.ttt_decay=0.8"], "combined"),
+    # is the head trained out on 392 conversations? the same data seen 5 times instead of 3
+    "combined_5epochs": ("`combined` trained 5 epochs instead of 3 (same data)", COMBINED, "combined"),
 }
+RUN_EPOCHS = {"combined_5epochs": 5}   # runs trained for other than EPOCHS epochs
 SETS = {"mtbench": (SHARED / "bench/mtbench.jsonl", 20), "heldout": (ROOT / "data_prep/prompts/heldout_train_dist.jsonl", 24)}
 SHAPES = {"chain": {"kind": "chain", "draft_length": 5}, "dynamic": {"kind": "dynamic", "depth": 5, "top_k": 8,
                                                                     "total_tokens": 48}}
@@ -112,7 +118,7 @@ def steps_for(name: str) -> int:
     overrides = RUNS[name][1]
     seed = next((int(o.split("=")[1]) for o in overrides if o.startswith("seed=")), 0)
     if not any(o.startswith("train.pack_tokens") for o in overrides):
-        return EPOCHS * (rows // BATCH)
+        return RUN_EPOCHS.get(name, EPOCHS) * (rows // BATCH)
     import torch
 
     from draftlab.data import ChatDataset, read_conversations
@@ -122,7 +128,7 @@ def steps_for(name: str) -> int:
     tok = load_target(TARGET, "float32", "cpu")[1]
     ds = ChatDataset(read_conversations(str(DATA / "train.jsonl"))[0], tok, MAXLEN)
     total = 0
-    for epoch in range(EPOCHS):   # runtime.Batches' permutation of each epoch (seed 0), whole batches only
+    for epoch in range(RUN_EPOCHS.get(name, EPOCHS)):   # runtime.Batches' permutation of each epoch (seed 0), whole batches only
         order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
         total += len(pack(ds.lengths, order, PACK)) // PACKED_BATCH
     return total
@@ -226,7 +232,7 @@ def training_figures(name: str, runs_dir: Path = RUNS_DIR) -> dict:
     figures = {"steps": rows[-1]["step"] if rows else None, "train_tokens": real, "train_seconds": seconds,
                "train_tokens_per_second": real / seconds if seconds else None,
                "padding_share": 1 - real / slots if slots else None}
-    acc = [r["acc_0"] for r in rows[-(len(rows) // EPOCHS or 1):] if "acc_0" in r]
+    acc = [r["acc_0"] for r in rows[-(len(rows) // RUN_EPOCHS.get(name, EPOCHS) or 1):] if "acc_0" in r]
     figures["train_top1_last_epoch"] = sum(acc) / len(acc) if acc else None
     text = (runs_dir / f"{name}.train.log").read_text(errors="replace")
     rss = re.findall(r"Maximum resident set size \(kbytes\): (\d+)", text)
