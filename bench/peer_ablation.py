@@ -85,11 +85,8 @@ RUNS = {
     "init_from_target_seed1": ("`init_from_target` with seed 1: is its gain more than one seed's noise?",
                                PACKING + ["drafter.init_from_target=true", "seed=1"], "packed_seed1"),
     "combined": ("init_from_target with the options at the top of their range: norm_output, frozen LM head",
-                 PACKING + ["drafter.init_from_target=true", "drafter.norm_output=true", "drafter.train_lm_head=false"],
-                 "init_from_target"),
-    "combined_seed1": ("`combined` with seed 1", PACKING + ["drafter.init_from_target=true", "drafter.norm_output=true",
-                                                          "drafter.train_lm_head=false", "seed=1"],
-                       "init_from_target_seed1"),
+                 COMBINED, "init_from_target"),
+    "combined_seed1": ("`combined` with seed 1", COMBINED + ["seed=1"], "init_from_target_seed1"),
     # beyond the peer: the learning rate of the shipped head (the side by side's 1e-3 constant on both sides so far)
     "combined_lr3e-4": ("`combined` at lr 3e-4 (constant)", COMBINED + ["train.lr=3e-4"], "combined"),
     "combined_lr3e-3": ("`combined` at lr 3e-3 (constant)", COMBINED + ["train.lr=3e-3"], "combined"),
@@ -112,13 +109,17 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def epochs_of(name: str) -> int:
+    return RUN_EPOCHS.get(name, EPOCHS)
+
+
 def steps_for(name: str) -> int:
-    """Optimizer steps for 3 epochs: rows // batch per epoch (padded), or the packed rows of each epoch."""
+    """Optimizer steps for the run's epochs: rows // batch per epoch (padded), or the packed rows of each epoch."""
     rows = sum(1 for _ in open(DATA / "train.jsonl"))
     overrides = RUNS[name][1]
     seed = next((int(o.split("=")[1]) for o in overrides if o.startswith("seed=")), 0)
     if not any(o.startswith("train.pack_tokens") for o in overrides):
-        return RUN_EPOCHS.get(name, EPOCHS) * (rows // BATCH)
+        return epochs_of(name) * (rows // BATCH)
     import torch
 
     from draftlab.data import ChatDataset, read_conversations
@@ -128,7 +129,7 @@ def steps_for(name: str) -> int:
     tok = load_target(TARGET, "float32", "cpu")[1]
     ds = ChatDataset(read_conversations(str(DATA / "train.jsonl"))[0], tok, MAXLEN)
     total = 0
-    for epoch in range(RUN_EPOCHS.get(name, EPOCHS)):   # runtime.Batches' permutation of each epoch (seed 0), whole batches only
+    for epoch in range(epochs_of(name)):   # runtime.Batches' permutation of each epoch (seed 0), whole batches only
         order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
         total += len(pack(ds.lengths, order, PACK)) // PACKED_BATCH
     return total
@@ -232,7 +233,7 @@ def training_figures(name: str, runs_dir: Path = RUNS_DIR) -> dict:
     figures = {"steps": rows[-1]["step"] if rows else None, "train_tokens": real, "train_seconds": seconds,
                "train_tokens_per_second": real / seconds if seconds else None,
                "padding_share": 1 - real / slots if slots else None}
-    acc = [r["acc_0"] for r in rows[-(len(rows) // RUN_EPOCHS.get(name, EPOCHS) or 1):] if "acc_0" in r]
+    acc = [r["acc_0"] for r in rows[-(len(rows) // epochs_of(name) or 1):] if "acc_0" in r]
     figures["train_top1_last_epoch"] = sum(acc) / len(acc) if acc else None
     text = (runs_dir / f"{name}.train.log").read_text(errors="replace")
     rss = re.findall(r"Maximum resident set size \(kbytes\): (\d+)", text)

@@ -22,7 +22,7 @@ if importlib.util.find_spec("draftlab") is None:  # run from a checkout without 
 
 from draftlab.answers import answer_with
 from draftlab.data import DataError, load_prompts
-from draftlab.engines import BACKENDS, LLAMA_WEIGHTS, make_backend
+from draftlab.engines import BACKENDS, LLAMA_WEIGHTS, WEIGHTS_HELP, make_backend
 from draftlab.runlock import LockError
 from draftlab.target import TargetError
 
@@ -39,9 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16, help="transformers: prompts per generate batch")
     parser.add_argument("--parallel", type=int, default=16, help="llama_cpp: sequences decoded together")
     parser.add_argument("--context", type=int, default=2048, help="llama_cpp: tokens per sequence (prompt + answer)")
-    parser.add_argument("--weights", choices=LLAMA_WEIGHTS, default="gguf",
-                        help="llama_cpp: the GGUF's matrices as they are, or a cached copy converted to bf16 / f16 / "
-                             "f32 / q8_0 (bf16: 2x faster batched on an AVX512-BF16 CPU)")
+    parser.add_argument("--weights", choices=LLAMA_WEIGHTS, default="gguf", help=WEIGHTS_HELP)
     parser.add_argument("--server-url", nargs="+", default=[], help="openai: base URL(s) of the server(s)")
     parser.add_argument("--concurrency", type=int, default=8, help="openai: requests in flight")
     parser.add_argument("--timeout", type=float, default=300.0, help="openai: seconds per request")

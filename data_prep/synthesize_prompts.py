@@ -28,7 +28,7 @@ if importlib.util.find_spec("draftlab") is None:  # run from a checkout without 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draftlab.data import iter_rows, load_prompts
-from draftlab.engines import LLAMA_WEIGHTS, make_backend
+from draftlab.engines import LLAMA_WEIGHTS, WEIGHTS_HELP, make_backend
 from draftlab.errors import DataError, OneLineParser, run_guarded
 from draftlab.prompt_filters import CATEGORY_WORDS, FilterSettings, filter_rows, looks_like, user_turns
 from draftlab.synthesis import CATEGORIES, SYSTEM_PROMPTS, SynthSettings, parse_mix, plan, synthesize
@@ -59,9 +59,7 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--parallel", type=int, default=16, help="llama_cpp: sequences decoded together")
     p.add_argument("--context", type=int, default=1024, help="llama_cpp: tokens per sequence")
-    p.add_argument("--weights", choices=LLAMA_WEIGHTS, default="gguf",
-                   help="llama_cpp: the GGUF's matrices as they are, or a cached copy converted to bf16 / f16 / f32 / "
-                        "q8_0 (bf16: 2x faster batched on an AVX512-BF16 CPU; see data_prep/regenerate.py)")
+    p.add_argument("--weights", choices=LLAMA_WEIGHTS, default="gguf", help=WEIGHTS_HELP)
     p.add_argument("--batch-size", type=int, default=16, help="transformers: prompts per generate batch")
     p.add_argument("--overlap-with", nargs="*", default=BENCH, metavar="NAME=FILE",
                    help="prompt files whose word n-grams the synthesised prompts must not share")
