@@ -35,6 +35,7 @@ def llama_widths(gguf: str, widths: list[int], threads: int, prompt_tokens: int,
 
     lc.llama_backend_init()
     mparams = lc.llama_model_default_params()
+    mparams.use_extra_bufts = False     # as draftlab.engines.load_llama_model: repacked (AMX) weights crashed here
     model = lc.llama_model_load_from_file(gguf.encode(), mparams)
     vocab = lc.llama_model_get_vocab(model)
     n_max = max(widths)

@@ -50,6 +50,8 @@ def parse_args(argv):
     p.add_argument("--stats", default=None, help="write STATS.json and STATS.md (figures of this set)")
     p.add_argument("--mix", default="equal", help="category shares: equal, or e.g. writing=2,math=1 "
                    f"(categories: {', '.join(CATEGORIES)})")
+    p.add_argument("--mix-tolerance", type=float, default=0.0, help="a category may keep up to (1 + this) times "
+                   "its share of the total the scarcest category allows (0: the shares exactly)")
     p.add_argument("--multi-turn", type=float, default=0.25, help="share of conversations with a follow-up turn")
     p.add_argument("--user-temperature", type=float, default=0.7)
     p.add_argument("--user-max-tokens", type=int, default=128)
@@ -71,8 +73,8 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if min(args.num, args.chunk, args.user_max_tokens, args.answer_max_tokens, args.parallel, args.overlap_n) < 1:
         p.error("--num, --chunk, --user-max-tokens, --answer-max-tokens, --parallel and --overlap-n must be positive")
-    if not 0 <= args.multi_turn <= 1 or not 0 < args.dedup_threshold <= 1:
-        p.error("--multi-turn must lie in [0, 1] and --dedup-threshold in (0, 1]")
+    if not 0 <= args.multi_turn <= 1 or not 0 < args.dedup_threshold <= 1 or args.mix_tolerance < 0:
+        p.error("--multi-turn must lie in [0, 1], --dedup-threshold in (0, 1] and --mix-tolerance at or above 0")
     if args.user_temperature <= 0:
         p.error("--user-temperature must be above 0: user turns are sampled")
     return args
@@ -202,7 +204,7 @@ def run(argv: list[str] | None) -> None:
     planned_ids = {p.id for p in plan(args.num, shares, args.multi_turn, args.seed)}
     raw = [r for r in read_raw(args.raw) if r["id"] in planned_ids]
     fs = FilterSettings(min_words=args.min_words, max_words=args.max_words, dedup_threshold=args.dedup_threshold,
-                        overlap_n=args.overlap_n)
+                        overlap_n=args.overlap_n, mix_tolerance=args.mix_tolerance)
     kept, report = filter_rows(raw, shares, bench, SYSTEM_PROMPTS, fs)
     write_prompts(kept, args.out)
     if args.stats:

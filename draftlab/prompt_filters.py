@@ -152,19 +152,21 @@ def overlap_count(text: str, index: set, n: int) -> int:
 # category mix
 
 
-def mix_quota(counts: dict[str, int], shares: dict[str, float]) -> dict[str, int]:
+def mix_quota(counts: dict[str, int], shares: dict[str, float], tolerance: float = 0.0) -> dict[str, int]:
     """The most rows per category such that the categories keep their target shares: the total T is the largest
     that every category can fill (count >= share * T), then each gets round(share * T); a category without a share
-    gets none."""
+    gets none. `tolerance` t > 0 lets a category keep up to round(share * T * (1 + t)) rows, so one scarce category
+    does not cut every other one to its level (the kept shares then stay within a factor 1 + t of each other's)."""
     weight = sum(v for v in shares.values() if v > 0)
     target = {c: v / weight for c, v in shares.items() if v > 0}
     total = min((counts.get(c, 0) / v for c, v in target.items()), default=0)
-    return {c: min(counts.get(c, 0), int(round(v * total))) for c, v in target.items()}
+    return {c: min(counts.get(c, 0), int(round(v * total * (1 + tolerance)))) for c, v in target.items()}
 
 
-def apply_mix(categories: list[str], shares: dict[str, float]) -> list[int]:
-    """Indices kept (the first ones of each category, in order) so that the categories follow `shares`."""
-    quota = mix_quota(Counter(categories), shares)
+def apply_mix(categories: list[str], shares: dict[str, float], tolerance: float = 0.0) -> list[int]:
+    """Indices kept (the first ones of each category, in order) so that the categories follow `shares` (within a
+    factor 1 + tolerance, see `mix_quota`)."""
+    quota = mix_quota(Counter(categories), shares, tolerance)
     taken, keep = Counter(), []
     for i, c in enumerate(categories):
         if taken[c] < quota.get(c, 0):
@@ -184,6 +186,7 @@ class FilterSettings:
     dedup_threshold: float = 0.7   # word-3-shingle Jaccard at or above which a first turn repeats an earlier one
     overlap_n: int = 13            # prompts sharing a word n-gram of this length with a benchmark are dropped
     report_n: tuple[int, ...] = (8, 13)   # n-gram lengths whose overlap figures are reported
+    mix_tolerance: float = 0.0     # a category may keep up to (1 + this) x its share of the scarcest one's total
 
 
 def user_turns(row: dict) -> list[str]:
@@ -249,7 +252,7 @@ def filter_rows(rows: list[dict], shares: dict[str, float], bench: dict[str, lis
     clean = [r for r in unique if not any(overlap_count(t, ix, s.overlap_n) for t in user_turns(r)
                                           for ix in indexes.values())]
     removed["benchmark overlap"] = len(unique) - len(clean)
-    kept = [clean[i] for i in apply_mix([r["category"] for r in clean], shares)]
+    kept = [clean[i] for i in apply_mix([r["category"] for r in clean], shares, s.mix_tolerance)]
     removed["category mix"] = len(clean) - len(kept)
     report = {"rows": len(rows), "kept": len(kept),
               "removed": {k: removed.get(k, 0) for k in ("unfinished", "length", "quality", "exact duplicate",

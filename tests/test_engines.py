@@ -56,14 +56,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def served_gguf() -> str:
+    """The file the server loads: draftlab's bf16 copy of the GGUF. llama_cpp.server loads weights with llama.cpp's
+    extra (repacked) buffers, which crashed decoding the Q4_1 file on a Xeon with AMX; bf16 weights are not
+    repacked (draftlab's own backend turns the extra buffers off, see engines.load_llama_model)."""
+    from draftlab.engines import converted_gguf
+
+    return converted_gguf(GGUF, "bf16")
+
+
 class Server:
-    """`python -m llama_cpp.server` on 127.0.0.1, ready when /v1/models answers."""
+    """`python -m llama_cpp.server` on 127.0.0.1 serving `served_gguf()`, ready when /v1/models answers."""
 
     def __init__(self, log: Path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", GGUF, "--host", "127.0.0.1",
+        self.proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", served_gguf(), "--host",
+                                      "127.0.0.1",
                                       "--port", str(self.port), "--n_threads", "1", "--n_ctx", "1024"],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.time() + 90
@@ -138,17 +148,22 @@ def test_llama_cpp_batched_decoding_answers_like_one_sequence_at_a_time(llama, t
 
 
 @needs_engine
-def test_openai_backend_answers_through_llama_cpp_server_concurrently(server, llama, tmp_path):
+def test_openai_backend_answers_through_llama_cpp_server_concurrently(server, tmp_path):
     from draftlab.engines import OpenAIBackend
+    from draftlab.engines import LlamaCppBackend
 
     prompts = load_prompts(prompt_file(tmp_path, 4))
-    backend = OpenAIBackend([server.url], max_new_tokens=12, concurrency=3, timeout=60, model_file=GGUF)
+    backend = OpenAIBackend([server.url], max_new_tokens=12, concurrency=3, timeout=60, model_file=served_gguf())
     out = tmp_path / "served.jsonl"
     counts = answer_with(backend, prompts, str(out), progress=False)
     rows = {r["id"]: r for r in rows_of(out)}
     assert counts["answered"] == 4 and sorted(rows) == ["q0", "q1", "q2", "q3"]
     assert all(r["backend"] == "openai" and r["served_model"] for r in rows.values())
-    local = {a.prompt.id: a.text for group in llama.stream(prompts) for a in group}
+    same_file = LlamaCppBackend(GGUF, max_new_tokens=12, parallel=3, threads=1, context=512, weights="bf16")
+    try:
+        local = {a.prompt.id: a.text for group in same_file.stream(prompts) for a in group}
+    finally:
+        same_file.close()
     same = sum(rows[i]["messages"][-1]["content"].strip() == local[i].strip() for i in local)
     assert same >= 3, (rows, local)  # same GGUF, same template, greedy: the server answers as in process
 
@@ -234,3 +249,22 @@ def test_a_server_dying_mid_run_keeps_its_rows_and_a_rerun_finishes(server, tmp_
     ids = [r["id"] for r in rows_of(out)]
     assert counts["answered"] == len(prompts) - len(kept) and rows_of(out)[:len(kept)] == kept
     assert sorted(ids) == [p.id for p in prompts]  # each prompt once
+
+
+def test_sample_rows_draws_each_row_from_its_tempered_softmax():
+    import numpy as np
+
+    from draftlab.engines import sample_rows
+
+    probs = np.array([[0.1, 0.2, 0.7, 0.0], [0.5, 0.25, 0.25, 0.0]])
+    logits = np.log(np.maximum(probs, 1e-30)).astype(np.float32)
+    rng, n = np.random.default_rng(0), 20000
+    counts = np.zeros_like(probs)
+    for _ in range(n):
+        for row, token in enumerate(sample_rows(logits, 1.0, rng)):
+            counts[row, token] += 1
+    # each frequency within 5 standard deviations of its probability; a zero-probability token is never drawn
+    assert np.all(np.abs(counts / n - probs) <= 5 * np.sqrt(probs * (1 - probs) / n) + 1e-12)
+    # temperature 0.5 squares the probabilities (renormalised): the likeliest token gains
+    cold = np.bincount([sample_rows(logits[:1], 0.5, rng)[0] for _ in range(4000)], minlength=4) / 4000
+    assert cold[2] > 0.85 and cold[3] == 0

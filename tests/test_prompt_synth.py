@@ -96,6 +96,17 @@ def test_category_mix_follows_the_shares_and_keeps_the_first_rows():
     assert apply_mix(cats, {"writing": 1.0}) == list(range(10))  # no share: none of that category
 
 
+def test_category_mix_tolerance_keeps_more_of_the_plentiful_categories_within_the_factor():
+    shares = {"writing": 0.5, "math": 0.25, "coding": 0.25}
+    counts = {"writing": 10, "math": 3, "coding": 6}
+    loose = mix_quota(counts, shares, tolerance=0.5)
+    assert loose == {"writing": 9, "math": 3, "coding": 4}   # round(6 * 1.5), 3 (all there is), round(3 * 1.5)
+    exact = mix_quota(counts, shares)
+    assert all(exact[c] <= loose[c] <= counts[c] for c in counts)
+    for c, n in loose.items():                 # no category beyond (1 + t) x its share of the exact total
+        assert n <= round(shares[c] * 12 * 1.5)
+
+
 def test_filter_rows_counts_every_removal_and_cuts_bad_follow_ups():
     ok = "Can you write a short story about a lighthouse keeper?"
     follow = [{"role": "user", "content": "Please write a haiku about the moon."},
