@@ -13,6 +13,12 @@ chain k=5 and an EAGLE-2 dynamic tree, greedy; target-only outputs are computed 
 reused (tau needs no timing: the speedup columns of this benchmark are not its point, see cpu_payoff.py).
 The dynamic tree has 16 nodes (depth 5, top-k 4): the CPU-sized tree; 48-node trees cost about three decode
 steps to verify here.
+`data` writes a training file with every conversation whose first user turn is one of the evaluation prompts
+(MT-bench, the held-out set) removed, so that a curve over all of train_prompts.jsonl stays uncontaminated:
+
+    python bench/learning_curve.py data --data data/train_answers_bf16.jsonl --out data/lc_today.jsonl
+
+`eval --steps 1000,3000` scores only those checkpoints (all of them by default).
 `report` adds the training top-1 agreement (the loss's `acc` / `acc_0` metric, averaged over the log rows
 before each checkpoint) and writes the table and the plot. Every stage caches its results under
 bench/results/cache/learning_curve/, so a rerun skips finished work, and `train` resumes an interrupted run.
@@ -40,6 +46,35 @@ SHAPES = {"chain": dict(kind="chain", draft_length=5), "dynamic": dict(kind="dyn
                                                                        total_tokens=16)}
 
 
+def first_user_turn(messages: list[dict]) -> str:
+    return next((m["content"] for m in messages if m["role"] == "user"), "").strip()
+
+
+def cmd_data(args) -> None:
+    """--data minus the conversations that open with an evaluation prompt (by id and by text) -> --out."""
+    from draftlab.data import iter_rows, load_prompts
+
+    ids, texts = set(), set()
+    for path in SETS.values():
+        for p in load_prompts(path):
+            ids.add(p.id)
+            texts.add(first_user_turn(p.messages))
+    kept = removed = 0
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(args.out + ".tmp")
+    with open(tmp, "w") as f:
+        for _, row in iter_rows(args.data):
+            if not isinstance(row, dict):
+                continue
+            if row.get("id") in ids or first_user_turn(row.get("messages") or []) in texts:
+                removed += 1
+                continue
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            kept += 1
+    tmp.replace(args.out)
+    print(f"{args.out}: {kept} conversations ({removed} removed: they open with an evaluation prompt)")
+
+
 def run_dir(label: str) -> Path:
     return CACHE / "runs" / label
 
@@ -52,17 +87,19 @@ def cmd_train(args) -> None:
 
     conversations, _ = read_conversations(args.data, limit=args.limit or None)
     _, tokenizer = load_target(args.target, "auto", "cpu")
-    rows = len(ChatDataset(conversations, tokenizer, args.max_length))
-    steps = max(1, round(args.epochs * rows / args.batch_size))
-    every = max(1, steps // args.points)
+    dataset = ChatDataset(conversations, tokenizer, args.max_length)
+    rows = len(dataset)
     out = run_dir(args.label)
     overrides = [f"recipe={args.recipe}", f"target.path={args.target}", f"data.train={args.data}",
-                 f"data.max_length={args.max_length}", f"data.limit={args.limit}", f"train.max_steps={steps}",
+                 f"data.max_length={args.max_length}", f"data.limit={args.limit}",
                  f"train.batch_size={args.batch_size}", "train.grad_accum=1", f"train.lr={args.lr}",
-                 f"train.warmup_steps={max(1, steps // 20)}", "train.schedule=cosine", f"train.save_every={every}",
-                 f"train.log_every={max(1, every // 5)}", "train.keep_last=0", "eval.every=0", "tracking=jsonl", f"out_dir={out}", f"seed={args.seed}",
-                 f"train.num_threads={args.threads}", f"data.store={args.store or chr(39) * 2}",
+                 "train.schedule=cosine", "train.keep_last=0", "eval.every=0", "tracking=jsonl", f"out_dir={out}",
+                 f"seed={args.seed}", f"train.num_threads={args.threads}", f"data.store={args.store or chr(39) * 2}",
                  "train.resume=auto"] + args.set
+    steps = epoch_steps(dataset, load_config(overrides), args.epochs, tokenizer.pad_token_id or 0)
+    every = max(1, steps // args.points)
+    overrides += [f"train.max_steps={steps}", f"train.warmup_steps={max(1, steps // 20)}",
+                  f"train.save_every={every}", f"train.log_every={max(1, every // 5)}"]
     print(f"{args.label}: {rows} conversations, {steps} steps of {args.batch_size} ({args.epochs} epochs), "
           f"a checkpoint every {every} steps in {out}", flush=True)
     t0 = time.time()
@@ -70,6 +107,20 @@ def cmd_train(args) -> None:
     (out / "bench_train.json").write_text(json.dumps({"label": args.label, "recipe": args.recipe, "steps": steps,
                                                       "epochs": args.epochs, "rows": rows, "overrides": overrides,
                                                       "wall_seconds": time.time() - t0}, indent=2))
+
+
+def epoch_steps(dataset, cfg, epochs: float, pad: int) -> int:
+    """Optimizer steps of `epochs` passes over `dataset` as training will batch it (cfg.train: batch_size, seed,
+    pack_tokens: packed epochs have as many steps as packed rows / batch_size, and they differ from epoch to
+    epoch); a fractional epoch is that share of the next epoch's steps."""
+    import math
+
+    from draftlab.runtime import Batches
+
+    batches = Batches(dataset, cfg.train.batch_size, 1, 0, cfg.seed, pad, pack_tokens=cfg.train.pack_tokens)
+    sizes = [len(batches.epoch_batches(e)) for e in range(math.ceil(epochs))]
+    whole = int(epochs)
+    return max(1, sum(sizes[:whole]) + (round((epochs - whole) * sizes[whole]) if whole < len(sizes) else 0))
 
 
 def _steps(label: str) -> list[Path]:
@@ -105,7 +156,10 @@ def cmd_eval(args) -> None:
             cache.parent.mkdir(parents=True, exist_ok=True)
             cache.write_text(json.dumps(baseline))
         sets[name] = (ids, baseline)
+    wanted = {int(x) for x in args.steps.split(",")} if args.steps else None
     for step in _steps(args.label):
+        if wanted is not None and int(step.name.split("_")[1]) not in wanted:
+            continue
         drafter = None
         for name, (ids, baseline) in sets.items():
             for shape, spec in SHAPES.items():
@@ -144,8 +198,9 @@ def cmd_report(args) -> None:
             before = [r for r in curve if r["step"] <= n]
             window = before[-5:]
             acc_key = "acc_0" if window and "acc_0" in window[-1] else "acc"
-            row = {"label": label, "recipe": info.get("recipe"), "step": n,
-                   "epoch": n / max(1, info.get("steps", n)) * info.get("epochs", 1),
+            epoch = n / max(1, info.get("steps", n)) * info.get("epochs", 1)
+            row = {"label": label, "recipe": info.get("recipe"), "step": n, "epoch": epoch,
+                   "conversations_seen": round(epoch * info["rows"]) if info.get("rows") else None,
                    "train_tokens_seen": before[-1]["tokens_seen"] if before else 0.0,
                    "train_seconds": sum(r.get("train_seconds", 0.0) for r in before),
                    "train_top1_agreement": (sum(r.get(acc_key, 0.0) for r in window) / len(window)) if window else None}
@@ -163,10 +218,11 @@ def cmd_report(args) -> None:
               "max_new_tokens": args.max_new_tokens, "shapes": SHAPES}
     OUT.with_suffix(".json").write_text(json.dumps({"header": header, "points": points}, indent=2) + "\n")
     cols = [f"tau_{n}_{s}" for n in SETS for s in SHAPES]
-    lines = ["| run | step | epoch | tokens seen | train s | train top-1 | " + " | ".join(cols) + " |",
-             "|---" * (6 + len(cols)) + "|"]
+    lines = ["| run | step | epoch | conversations seen | tokens seen | train s | train top-1 | " + " | ".join(cols)
+             + " |", "|---" * (7 + len(cols)) + "|"]
     for p in points:
-        lines.append(f"| {p['label']} | {p['step']} | {p['epoch']:.2f} | {p['train_tokens_seen']:,.0f} | "
+        seen = "-" if p.get("conversations_seen") is None else f"{p['conversations_seen']:,}"
+        lines.append(f"| {p['label']} | {p['step']} | {p['epoch']:.2f} | {seen} | {p['train_tokens_seen']:,.0f} | "
                      f"{p['train_seconds']:.0f} | {_f(p['train_top1_agreement'])} | "
                      + " | ".join(_f(p.get(c)) for c in cols) + " |")
     OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -188,8 +244,8 @@ def _plot(points: list[dict], cols: list[str]) -> None:
     for ax, col in zip(axes, cols):
         for label in sorted({p["label"] for p in points}):
             mine = [p for p in points if p["label"] == label and p.get(col) is not None]
-            ax.plot([p["train_tokens_seen"] / 1e3 for p in mine], [p[col] for p in mine], marker="o", label=label)
-        ax.set(title=col.replace("tau_", "tau ").replace("_", ", "), xlabel="training tokens seen (thousands)")
+            ax.plot([p["conversations_seen"] or 0 for p in mine], [p[col] for p in mine], marker="o", label=label)
+        ax.set(title=col.replace("tau_", "tau ").replace("_", ", "), xlabel="conversations seen", xscale="log")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("tau")
     axes[0].legend(fontsize=8)
@@ -214,6 +270,9 @@ def main(argv=None) -> None:
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--set", action="append", default=[], help="extra KEY=VALUE override")
+    da = sub.add_parser("data")
+    da.add_argument("--data", required=True)
+    da.add_argument("--out", required=True)
     for p in (tr, *[sub.add_parser(c) for c in ("eval", "report")]):
         p.add_argument("--target", default=TARGET)
         p.add_argument("--threads", type=int, default=1)
@@ -221,10 +280,11 @@ def main(argv=None) -> None:
         p.add_argument("--max-new-tokens", type=int, default=96)
         if p.prog.endswith("eval"):
             p.add_argument("--label", required=True)
+            p.add_argument("--steps", default="", help="comma-separated steps to score (default: every checkpoint)")
         if p.prog.endswith("report"):
             p.add_argument("--labels", nargs="*", default=None)
     args = ap.parse_args(argv)
-    {"train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.cmd](args)
+    {"data": cmd_data, "train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.cmd](args)
 
 
 if __name__ == "__main__":
