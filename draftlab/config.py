@@ -520,6 +520,9 @@ def validate(cfg) -> None:
         value = OmegaConf.select(cfg, key)
         if value is None and key.startswith("drafter."):
             continue
+        if value in (False, "False", "false") and "no" in options:   # YAML reads a bare `no` as false
+            OmegaConf.update(cfg, key, "no")
+            value = "no"
         if value not in options:
             raise ConfigError(f"config key '{key}' is '{value}': choose one of {', '.join(options)}")
     for tracker in tracking_list(cfg):

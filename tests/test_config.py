@@ -91,6 +91,13 @@ def test_overrides_are_typed_and_win_over_the_recipe():
     assert cfg.eval.draft_length == 7 and cfg.train.batch_size == 2
 
 
+
+def test_a_bare_no_is_the_choice_no_not_a_yaml_boolean():
+    for text in ("no", "false"):   # YAML 1.1 reads both as false
+        cfg = load_config(["recipe=eagle_head", *REQUIRED, f"train.mixed_precision={text}"])
+        assert cfg.train.mixed_precision == "no"
+
+
 def test_recipe_defaults_are_merged_under_the_recipe():
     cfg = load_config(["recipe=quickstart"])
     base = load_config(["recipe=eagle_head", *REQUIRED])
