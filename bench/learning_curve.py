@@ -26,6 +26,7 @@ bench/results/cache/learning_curve/, so a rerun skips finished work, and `train`
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import sys
 import time
@@ -103,10 +104,12 @@ def cmd_train(args) -> None:
     print(f"{args.label}: {rows} conversations, {steps} steps of {args.batch_size} ({args.epochs} epochs), "
           f"a checkpoint every {every} steps in {out}", flush=True)
     t0 = time.time()
+    info = {"label": args.label, "recipe": args.recipe, "steps": steps, "epochs": args.epochs, "rows": rows,
+            "overrides": overrides}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_train.json").write_text(json.dumps(info, indent=2))   # what `report` needs mid-run too
     main(load_config(overrides))
-    (out / "bench_train.json").write_text(json.dumps({"label": args.label, "recipe": args.recipe, "steps": steps,
-                                                      "epochs": args.epochs, "rows": rows, "overrides": overrides,
-                                                      "wall_seconds": time.time() - t0}, indent=2))
+    (out / "bench_train.json").write_text(json.dumps({**info, "wall_seconds": time.time() - t0}, indent=2))
 
 
 def epoch_steps(dataset, cfg, epochs: float, pad: int) -> int:
@@ -148,14 +151,14 @@ def cmd_eval(args) -> None:
         prompts = load_prompts(path, limit=args.num_prompts)
         ids = [encode_prompt(tokenizer, p.messages) for p in prompts]
         cache = CACHE / f"baseline_{name}_{args.num_prompts}_{args.max_new_tokens}.json"
-        if cache.is_file():
-            baseline = json.loads(cache.read_text())
-        else:
-            baseline = run_baseline(target, ids, sampling=Sampling(), max_new_tokens=args.max_new_tokens,
-                                    eos_token_ids=eos)
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            cache.write_text(json.dumps(baseline))
-        sets[name] = (ids, baseline)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with open(cache.with_suffix(".lock"), "w") as lock:   # two evaluations at once compute it once
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not cache.is_file():
+                baseline = run_baseline(target, ids, sampling=Sampling(), max_new_tokens=args.max_new_tokens,
+                                        eos_token_ids=eos)
+                cache.write_text(json.dumps(baseline))
+        sets[name] = (ids, json.loads(cache.read_text()))
     wanted = {int(x) for x in args.steps.split(",")} if args.steps else None
     for step in _steps(args.label):
         if wanted is not None and int(step.name.split("_")[1]) not in wanted:
@@ -213,10 +216,11 @@ def cmd_report(args) -> None:
                         row[f"per_position_{name}_{shape}"] = rep["per_position_acceptance"]
                         row[f"lossless_{name}_{shape}"] = rep["lossless"]
             points.append(row)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
+    out = ROOT / args.out if args.out else OUT
+    out.parent.mkdir(parents=True, exist_ok=True)
     header = {"command": " ".join(sys.argv), "target": TARGET, "prompt_sets": SETS, "num_prompts": args.num_prompts,
               "max_new_tokens": args.max_new_tokens, "shapes": SHAPES}
-    OUT.with_suffix(".json").write_text(json.dumps({"header": header, "points": points}, indent=2) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"header": header, "points": points}, indent=2) + "\n")
     cols = [f"tau_{n}_{s}" for n in SETS for s in SHAPES]
     lines = ["| run | step | epoch | conversations seen | tokens seen | train s | train top-1 | " + " | ".join(cols)
              + " |", "|---" * (7 + len(cols)) + "|"]
@@ -225,8 +229,8 @@ def cmd_report(args) -> None:
         lines.append(f"| {p['label']} | {p['step']} | {p['epoch']:.2f} | {seen} | {p['train_tokens_seen']:,.0f} | "
                      f"{p['train_seconds']:.0f} | {_f(p['train_top1_agreement'])} | "
                      + " | ".join(_f(p.get(c)) for c in cols) + " |")
-    OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    _plot(points, cols)
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    _plot(points, cols, out.with_suffix(".png"))
     print("\n".join(lines))
 
 
@@ -234,7 +238,7 @@ def _f(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def _plot(points: list[dict], cols: list[str]) -> None:
+def _plot(points: list[dict], cols: list[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -250,7 +254,7 @@ def _plot(points: list[dict], cols: list[str]) -> None:
     axes[0].set_ylabel("tau")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(OUT.with_suffix(".png"), dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -283,6 +287,8 @@ def main(argv=None) -> None:
             p.add_argument("--steps", default="", help="comma-separated steps to score (default: every checkpoint)")
         if p.prog.endswith("report"):
             p.add_argument("--labels", nargs="*", default=None)
+            p.add_argument("--out", default="", help="results path without suffix, relative to the checkout "
+                           "(default bench/results/learning_curve)")
     args = ap.parse_args(argv)
     {"data": cmd_data, "train": cmd_train, "eval": cmd_eval, "report": cmd_report}[args.cmd](args)
 

