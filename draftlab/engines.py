@@ -180,8 +180,11 @@ def load_llama_model(path: str):
     lc = import_llama_cpp()
     from llama_cpp import _internals
 
+    from llama_cpp._logger import set_verbose
+
     global _LLAMA_BACKEND_READY
     if not _LLAMA_BACKEND_READY:
+        set_verbose(False)       # llama.cpp's own log lines: errors only (as llama_cpp.Llama(verbose=False) does)
         lc.llama_backend_init()
         _LLAMA_BACKEND_READY = True
     params = lc.llama_model_default_params()
