@@ -49,6 +49,9 @@ STORE=data/lc_$MIX.store
 
 if has answers; then
   if [ "$MIX" = chat ]; then
+    # a shipped snapshot of the synthesised rows starts the raw file (finished ids are skipped)
+    [ -f data/chat_synth_raw.jsonl ] || { [ -f data_prep/prompts/chat_synth_raw.jsonl.gz ] &&
+      gunzip -c data_prep/prompts/chat_synth_raw.jsonl.gz > data/chat_synth_raw.jsonl || true; }
     log "synthesise $NUM_CHAT chat-like conversations (resumable), then filter them into $PROMPTS"
     python data_prep/synthesize_prompts.py --target "$TARGET" --backend llama_cpp --weights bf16 --parallel 32 \
       --threads "$THREADS" --num "$NUM_CHAT" --chunk 256 --user-max-tokens 160 --mix-tolerance 0.3 \
