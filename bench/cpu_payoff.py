@@ -17,8 +17,12 @@ Stages:
          chain of k=5 (the tau goal) and with its cost-aware draft shape (`--draft-length auto`, chosen on
          held-out calibration prompts), and prompt lookup as a chain of k=5, on MT-bench first turns and HumanEval.
   report bench/results/cpu_payoff.{json,md} and a plot: rows with drafter, recipe, tree, prompt_set, every report
-         key, train_seconds, data_seconds; the goals (tau >= 2.5, speedup >= 1.3x, beating prompt lookup) with
-         the margin by which each is met or missed.
+         key, the speedup that the measured round costs predict for the row's tau (`predicted_speedup`),
+         train_seconds, data_seconds; the goals (MT-bench chain tau >= 2.0 and dynamic-tree tau >= 2.6, beating
+         prompt lookup's chain tau on every set, lossless, training within the hour) with the margin by which each
+         is met or missed.
+--train-file / --store: train on a prepared file and feature store instead (e.g. bench/learning_curve_big.sh's
+data/lc_today.jsonl and its store); their preparation time is read from --data-seconds (a JSON of timed steps).
 Results of every evaluation are cached under bench/results/cache/cpu_payoff/ and reused by a rerun; a row
 served from that cache says so (`from_cache`), in the JSON and in the markdown.
 """
@@ -43,7 +47,8 @@ CACHE = ROOT / "bench" / "results" / "cache" / "cpu_payoff"
 OUT = ROOT / "bench" / "results" / "cpu_payoff"
 SETS = {"mtbench": str(SHARED / "mtbench.jsonl"), "humaneval": str(SHARED / "humaneval_a.jsonl")}
 CALIBRATION = str(ROOT / "data_prep" / "prompts" / "heldout_train_dist.jsonl")
-GOAL_TAU, GOAL_SPEEDUP, TRAIN_BUDGET_S = 2.5, 1.3, 3600.0
+GOAL_TAU, GOAL_TREE_TAU, TRAIN_BUDGET_S = 2.0, 2.6, 3600.0
+DYNAMIC = dict(kind="dynamic", depth=5, top_k=8, total_tokens=48)   # the side by side's EAGLE-2 tree
 LOAD_MARGIN = 0.5    # 1-minute load average above the evaluation's own threads at which timings are distorted
 
 
@@ -72,6 +77,12 @@ def parse_args(argv=None):
     ap.add_argument("--lookup-first", type=int, default=3,
                     help="also score the drafter with prompt lookup in front (n-gram >= N; 0 = off)")
     ap.add_argument("--sets", default="mtbench,humaneval")
+    ap.add_argument("--train-file", default="", help="train on this prepared conversation file (with --store)")
+    ap.add_argument("--store", default="", help="the feature store of --train-file (hidden states 2,15,27,-1)")
+    ap.add_argument("--data-seconds", default="", help="JSON {step: {rows, seconds, ...}} of the timed data "
+                    "preparation of --train-file and --store")
+    ap.add_argument("--dynamic", action=argparse.BooleanOptionalAction, default=True,
+                    help="also score the drafter as an EAGLE-2 dynamic tree (depth 5, top-k 8, 48 nodes)")
     return ap.parse_args(argv)
 
 
@@ -111,10 +122,12 @@ def stage_answer(args) -> None:
 
 
 def train_file(args) -> Path:
-    """The training conversations: the shared answers plus the first --more-limit rows of --more, minus any row
-    whose prompt is one of the held-out calibration prompts."""
+    """The training conversations: --train-file as it is, or the shared answers plus the first --more-limit rows
+    of --more, minus any row whose prompt is one of the held-out calibration prompts."""
     from draftlab.data import load_prompts
 
+    if args.train_file:
+        return Path(args.train_file)
     held = {p.id for p in load_prompts(CALIBRATION)}
     rows = [json.loads(line) for line in Path(args.answers).read_text().splitlines() if line.strip()]
     if args.more and Path(args.more).is_file():
@@ -128,9 +141,18 @@ def train_file(args) -> Path:
     return path
 
 
+def store_path(args, train: Path) -> Path:
+    return Path(args.store) if args.store else Path(str(train) + ".store")
+
+
 def data_seconds(args, train: Path) -> dict:
     """CPU-bound wall time that went into the training data: answering (the shared file's documented hour for
-    1,184 answers, and the measured time of --more from its regenerate log) and building the feature store."""
+    1,184 answers, and the measured time of --more from its regenerate log) and building the feature store; with
+    --train-file, the steps --data-seconds records."""
+    if args.train_file:
+        info = json.loads(Path(args.data_seconds).read_text()) if args.data_seconds else {}
+        info["total_measured_seconds"] = sum(v.get("seconds") or 0 for v in info.values() if isinstance(v, dict))
+        return info
     info = {"answers_shared": {"rows": 1184, "seconds": None, "note": "../shared/bench: about an hour to answer "
                                                                        "(shared/bench/README.md); not measured here"}}
     log = Path(args.more).with_suffix(".timing.json")
@@ -150,7 +172,13 @@ def stage_data(args) -> Path:
     from draftlab.target import load_target
 
     train = train_file(args)
-    store = Path(str(train) + ".store")
+    if args.train_file:
+        from draftlab.store import open_store  # prepared elsewhere: it must be there and complete
+        from draftlab.target import load_target
+
+        open_store(store_path(args, train), load_target(args.target, "auto", "cpu")[0])
+        return train
+    store = store_path(args, train)
     timing = store / "build_seconds.json"
     if timing.is_file():
         return train
@@ -185,7 +213,7 @@ def stage_train(args, train: Path) -> dict:
     if info.is_file():
         return json.loads(info.read_text())
     overrides = [f"recipe={args.recipe}", f"target.path={args.target}", f"data.train={train}",
-                 f"data.store={train}.store", f"data.max_length={args.max_length}", f"train.max_steps={args.steps}",
+                 f"data.store={store_path(args, train)}", f"data.max_length={args.max_length}", f"train.max_steps={args.steps}",
                  f"train.max_minutes={args.minutes}", f"train.batch_size={args.batch_size}", "train.grad_accum=1", f"train.lr={args.lr}",
                  f"train.warmup_steps={max(1, args.steps // 20)}", "train.schedule=cosine", "train.keep_last=1",
                  f"train.save_every={max(1, args.steps // 10)}", "eval.every=0", "tracking=jsonl",
@@ -245,13 +273,30 @@ def stage_eval(args) -> list[dict]:
             print(f"auto draft length: k={measured['chosen_draft_length']} (calibrated on {CALIBRATION})", flush=True)
         return measured
 
+    round_costs = {}
+
+    def measured_round_costs() -> dict:
+        """Seconds of a target step, of verifying a chain of 5 and the dynamic tree, and of drafting them with the
+        drafter alone (interleaved medians on a calibration prompt), plus the pilot's per-round overhead."""
+        if not round_costs:
+            layers = tuple(drafter.proposer(target).feature_layers)
+            chain = costs.measure_verify_cost(target, calibration[0], [1, 6], feature_layers=layers)
+            tree = costs.measure_verify_cost(target, calibration[0], [DYNAMIC["total_tokens"] + 1], tree=True,
+                                             feature_layers=layers)
+            draft = costs.measure_draft_cost(target, drafter.proposer(target), calibration[0], [5], Sampling(),
+                                             trees={"dynamic": TreeSpec(**DYNAMIC)})
+            round_costs.update(target_step=chain[1], verify_chain=chain[6],
+                               verify_tree=tree[DYNAMIC["total_tokens"] + 1], draft_chain=draft[5],
+                               draft_tree=draft["dynamic"], round_overhead=auto_shape()["round_overhead"])
+        return round_costs
+
     name = args.label + (f" + lookup-first (n>={args.lookup_first})" if args.lookup_first else "")
     rows = []
     for prompt_set in args.sets.split(","):
         repeats = args.repeats if prompt_set == "mtbench" else args.repeats_other
         num_prompts = args.num_prompts if prompt_set == "mtbench" else (args.num_prompts_other or args.num_prompts)
         key = f"{args.label}_lf{args.lookup_first}_{prompt_set}_{num_prompts}_{args.max_new_tokens}_" \
-              f"r{repeats}_t{args.threads}"
+              f"r{repeats}_t{args.threads}" + ("_dyn" if args.dynamic else "")
         path = CACHE / "evals" / f"{key}.json"
         if path.is_file():
             rows += [{**r, "from_cache": True} for r in json.loads(path.read_text())]
@@ -267,6 +312,10 @@ def stage_eval(args) -> list[dict]:
         auto_k = shape["chosen_draft_length"]
         drafts[(name, f"auto (chain k={auto_k})")] = (hybrid() if args.lookup_first else drafter.proposer(target),
                                                        TreeSpec(kind="chain", draft_length=auto_k))
+        if args.dynamic:
+            drafts[(args.label, f"dynamic {DYNAMIC['total_tokens']}")] = (drafter.proposer(target),
+                                                                          TreeSpec(**DYNAMIC))
+        measured_round_costs()
         t0 = time.time()
         reports = evaluate_side_by_side(target, drafts, ids, sampling=Sampling(), max_new_tokens=args.max_new_tokens,
                                         eos_token_ids=eos, categories=[p.category for p in prompts], repeats=repeats)
@@ -275,7 +324,9 @@ def stage_eval(args) -> list[dict]:
             fresh.append({**report, "drafter": drafter_name, "tree": tree, "prompt_set": prompt_set,
                           "checkpoint": None if drafter_name == "prompt_lookup" else str(step),
                           "draft_shape": shape if tree.startswith("auto") else None,
-                          "eval_seconds": time.time() - t0, "threads": args.threads})
+                          "eval_seconds": time.time() - t0, "threads": args.threads,
+                          **predicted_speedup(report["acceptance_length"], drafter_name, tree, args.label,
+                                              round_costs, shape)})
             print(f"{prompt_set} {drafter_name} {tree}: tau {report['acceptance_length']:.3f}, speedup "
                   f"{report['speedup']:.2f}x [{report['speedup_min']:.2f}, {report['speedup_max']:.2f}], lossless "
                   f"{report['lossless']}, load {report['load_average']}", flush=True)
@@ -283,6 +334,27 @@ def stage_eval(args) -> list[dict]:
         path.write_text(json.dumps(fresh))
         rows += [{**r, "from_cache": False} for r in fresh]
     return rows
+
+
+def predicted_speedup(tau: float, drafter_name: str, tree: str, label: str, round_costs: dict, shape: dict) -> dict:
+    """The speedup the measured costs predict for `tau`: tau target steps' worth of tokens per round, against a
+    round's cost of verifying + drafting + the per-round overhead (costs.py's model), in target steps. Prompt
+    lookup drafts for free; lookup-first rows are costed as if the drafter drafted every round (a lower bound)."""
+    c = round_costs
+    if tree.startswith("dynamic"):
+        verify, draft = c["verify_tree"], c["draft_tree"]
+    elif tree.startswith("auto"):
+        k = shape["chosen_draft_length"]
+        verify, draft = shape["verify_cost"][k + 1], shape["draft_cost"][k]
+    else:
+        verify, draft = c["verify_chain"], c["draft_chain"]
+    if drafter_name == "prompt_lookup":
+        draft = 0.0
+    seconds = verify + draft + c["round_overhead"]
+    return {"predicted_speedup": tau * c["target_step"] / seconds,
+            "round_cost_steps": {"verify": verify / c["target_step"], "draft": draft / c["target_step"],
+                                 "overhead": c["round_overhead"] / c["target_step"]},
+            "predicted_is_lower_bound": drafter_name not in (label, "prompt_lookup")}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -304,13 +376,14 @@ def goals(rows: list[dict], train: dict) -> list[dict]:
                 and r["tree"].startswith("chain")), key=lambda r: r["acceptance_length"], default=None)
     label = best and best["drafter"]
     chain = find(label, "chain", "mtbench")
-    auto = next((r for r in rows if r["prompt_set"] == "mtbench" and r["tree"].startswith("auto")), None)
+    tree = next((r for r in rows if r["prompt_set"] == "mtbench" and r["tree"].startswith("dynamic")), None)
     out = [_goal("training time within an hour (s)", train.get("train_seconds", 0.0), TRAIN_BUDGET_S, "s",
                  at_most=True),
            _goal(f"chain tau (k=5), MT-bench first turns ({label})", chain and chain["acceptance_length"], GOAL_TAU),
-           _goal(f"wall-clock speedup over target-only, MT-bench ({auto and auto['drafter']}, {auto and auto['tree']}; "
-                 "median of interleaved repeats)",
-                 auto and auto["speedup"], GOAL_SPEEDUP, "x")]
+           _goal(f"dynamic-tree tau ({tree and tree['tree']} nodes), MT-bench first turns ({tree and tree['drafter']})",
+                 tree and tree["acceptance_length"], GOAL_TREE_TAU),
+           _goal("every output identical to target-only decoding (rows lossless)",
+                 float(sum(bool(r["lossless"]) for r in rows)), float(len(rows)))]
     for prompt_set in sorted({r["prompt_set"] for r in rows}):
         mine, lookup = find(label, "chain", prompt_set), find("prompt_lookup", "chain", prompt_set)
         value = mine["acceptance_length"] - lookup["acceptance_length"] if mine and lookup else None
@@ -368,12 +441,13 @@ def plot(result: dict) -> None:
     names = list(dict.fromkeys(f"{r['drafter']}\n{r['tree']}" for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     width = 0.8 / max(1, len(sets))
-    for ax, key, goal in ((axes[0], "acceptance_length", GOAL_TAU), (axes[1], "speedup", GOAL_SPEEDUP)):
+    for ax, key, goal in ((axes[0], "acceptance_length", GOAL_TAU), (axes[1], "speedup", None)):
         for i, prompt_set in enumerate(sets):
             values = [next((r[key] for r in rows if r["prompt_set"] == prompt_set
                             and f"{r['drafter']}\n{r['tree']}" == n), 0.0) for n in names]
             ax.bar([j + i * width for j in range(len(names))], values, width, label=prompt_set)
-        ax.axhline(goal, color="red", linestyle="--", linewidth=1, label=f"goal {goal}")
+        if goal is not None:
+            ax.axhline(goal, color="red", linestyle="--", linewidth=1, label=f"chain goal {goal}")
         if key == "speedup":
             ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([j + width * (len(sets) - 1) / 2 for j in range(len(names))], names, fontsize=6, rotation=15)
@@ -391,16 +465,26 @@ def markdown(result: dict) -> str:
              f"{_f(train.get('train_seconds'), 0)} s, {_f(train.get('train_tokens_per_second'), 0)} training tokens/s, "
              f"{result['header']['machine']['threads']} threads.", _data_line(result['header']['data']), "",
              "| drafter | tree | prompts | tau | per-position acceptance | tokens/s | target-only tokens/s | "
-             "speedup (median) | min-max | repeats | lossless | load avg before / after | measured |", "|---" * 13 + "|"]
+             "speedup (median) | min-max | predicted speedup | repeats | lossless | load avg before / after | measured |",
+             "|---" * 14 + "|"]
     for r in rows:
         measured = "cached from an earlier run" if r.get("from_cache") else "this run"
         lines.append(
             f"| {r['drafter']} | {r['tree']} | {r['prompt_set']} ({r['num_prompts']}) | {_f(r['acceptance_length'])} | "
             f"{', '.join(f'{a:.2f}' for a in r['per_position_acceptance'])} | {_f(r['tokens_per_second'], 1)} | "
             f"{_f(r['baseline_tokens_per_second'], 1)} | {_f(r['speedup'], 2)}x | "
-            f"{_f(r.get('speedup_min'), 2)}-{_f(r.get('speedup_max'), 2)} | {r.get('timing_repeats')} | "
+            f"{_f(r.get('speedup_min'), 2)}-{_f(r.get('speedup_max'), 2)} | "
+            f"{_f(r.get('predicted_speedup'), 2)}x{' (at least)' if r.get('predicted_is_lower_bound') else ''} | "
+            f"{r.get('timing_repeats')} | "
             f"{r['lossless']} | {' / '.join(_f(x, 2) for x in r['load_average'])}{' (busy)' if r.get('busy') else ''} | "
             f"{measured} |")
+    costed = next((r["round_cost_steps"] for r in rows if r.get("round_cost_steps") and r["tree"] == "chain k=5"
+                   and r["drafter"] != "prompt_lookup"), None)
+    if costed:
+        lines += ["", "Predicted speedup: tau / (cost of a round in target decode steps), from costs measured on a "
+                  "calibration prompt in the same run: a chain of 5 costs "
+                  f"{costed['verify']:.2f} steps to verify and {costed['draft']:.2f} to draft, plus "
+                  f"{costed['overhead']:.2f} of per-round overhead."]
     lines += ["", "| goal | value | threshold | met | margin |", "|---|---|---|---|---|"]
     for g in result["goals"]:
         lines.append(f"| {g['goal']} | {_f(g['value'])} | {_f(g['threshold'])} | "
