@@ -39,7 +39,7 @@ def eval_parser() -> argparse.ArgumentParser:
                         "like --draft-length auto")
     p.add_argument("--lookup-first", type=int, default=0, metavar="N",
                    help="draft by prompt lookup whenever the sequence ends with an n-gram (n >= N) seen before, and "
-                        "by the checkpoint's drafter otherwise (chains; 0 = off)")
+                        "by the checkpoint's drafter otherwise (a hit drafts a chain, also for trees; 0 = off)")
     p.add_argument("--max-draft-length", type=int, default=8, help="longest chain --draft-length auto considers")
     p.add_argument("--calibration-prompts", default="4",
                    help="for auto shapes: a JSONL prompt file, or N = the first N prompts of --prompts (default 4)")

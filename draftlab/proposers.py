@@ -67,7 +67,9 @@ class LookupFirstProposer:
     """A drafter's proposer with prompt lookup in front: when the committed sequence ends with an n-gram
     (n >= min_ngram) that occurred before, the tokens that followed it are the chain (no model runs); otherwise
     the drafter drafts. Targets that repeat themselves (small models in loops, code, extraction) give long exact
-    matches, which a trained drafter can miss and lookup gets for free. Chains only: trees go to the drafter.
+    matches, which a trained drafter can miss and lookup gets for free. For a tree spec a lookup hit drafts its
+    chain of up to the tree's depth instead of the tree (verifying a short chain also costs less than a tree);
+    without a hit the drafter drafts the tree.
 
     Lookup chains are deterministic ("topk"), which the verifier accepts with the target's own probability
     under sampling, so output stays lossless either way. `lookup_rounds` counts the rounds lookup drafted.
@@ -88,11 +90,11 @@ class LookupFirstProposer:
         self.lookup.commit(tokens, None)
 
     def propose(self, spec: TreeSpec, sampling: Sampling, generator: torch.Generator | None = None) -> DraftTree:
-        if spec.kind == "chain":
-            tokens = self.lookup.lookup(spec.draft_length)
-            if len(tokens) >= min(self.min_tokens, spec.draft_length):
-                self.lookup_rounds += 1
-                return chain(torch.tensor(tokens, device=self.lookup.device))
+        length = spec.max_depth
+        tokens = self.lookup.lookup(length)
+        if len(tokens) >= min(self.min_tokens, length):
+            self.lookup_rounds += 1
+            return chain(torch.tensor(tokens, device=self.lookup.device))
         return self.inner.propose(spec, sampling, generator)
 
 

@@ -98,6 +98,25 @@ def test_lookup_first_drafts_repeats_by_lookup_and_stays_lossless(tiny_target):
     assert out.tokens == expected and out.rounds > proposer.lookup_rounds > 0
 
 
+def test_lookup_first_with_a_tree_drafts_lookup_chains_and_drafter_trees_losslessly(tiny_target):
+    from draftlab.drafters.eagle import EagleHead
+    from draftlab.proposers import LookupFirstProposer
+
+    model, tok = tiny_target
+    torch.manual_seed(0)
+    head = EagleHead.from_target(model, None).eval()
+    prompt = torch.tensor(tok("The quick brown fox. The quick brown fox. The quick brown fox. The quick")["input_ids"])
+    expected = evaluator.target_generate(model, prompt, 24).tokens
+    proposer = LookupFirstProposer(head.proposer(model), min_ngram=2)
+    spec = TreeSpec(kind="dynamic", depth=4, top_k=4, total_tokens=12)
+    out = evaluator.speculative_generate(model, proposer, prompt, spec, Sampling(), 24)
+    assert out.tokens == expected and out.rounds > proposer.lookup_rounds > 0
+    sampled = evaluator.speculative_generate(model, LookupFirstProposer(head.proposer(model), min_ngram=2), prompt,
+                                             spec, Sampling(temperature=0.7), 24,
+                                             generator=torch.Generator().manual_seed(0))
+    assert 0 < len(sampled.tokens) <= 24
+
+
 def test_side_by_side_shares_the_target_only_runs_and_rotates_the_order(tiny_target, monkeypatch):
     model, tok = tiny_target
     calls = []
