@@ -10,8 +10,10 @@ import json
 import os
 import platform
 import random
+import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from functools import partial
@@ -257,6 +259,47 @@ def any_process(flag: bool, accelerator) -> bool:
         return flag
     value = torch.tensor([float(flag)], device=accelerator.device)
     return bool(accelerator.reduce(value, reduction="sum").item() > 0)
+
+
+class StopSignals:
+    """SIGTERM and SIGUSR1 (what a cluster sends before it preempts a job; SLURM: `--signal=USR1@120`) ask the
+    training loop to stop after the step it is in, save that step and exit, instead of dying mid-step: `received`
+    names the first such signal (None until one comes). A second signal of the same kind acts as it would without
+    this handler. Installed only in the main thread (Python delivers signals there); a context manager that puts
+    the previous handlers back."""
+
+    NAMES = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for name in self.NAMES:
+                if hasattr(signal, name):
+                    number = getattr(signal, name)
+                    self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def _handle(self, number, frame) -> None:
+        if self.received is not None:  # asked twice: stop the way the signal does without us
+            signal.signal(number, self._previous.get(number) or signal.SIG_DFL)
+            signal.raise_signal(number)
+            return
+        self.received = signal.Signals(number).name
+        print(f"\n{self.received}: stopping after this step (it is saved first; train.resume=auto continues)",
+              file=sys.stderr, flush=True)
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's code for a process ended by the received signal (128 + its number), 0 without one."""
+        return 128 + int(getattr(signal, self.received)) if self.received else 0
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
 
 
 def loss_weight(batch: dict, global_loss_tokens: float, world: int) -> float:

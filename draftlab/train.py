@@ -149,74 +149,83 @@ def train(cfg, out_dir: Path, accelerator) -> dict:
                     dynamic_ncols=True)
     speed = runtime.Throughput()
     budget, seconds_before, loop_start = cfg.train.max_minutes * 60, state.get("train_seconds", 0.0), time.perf_counter()
-    while state["step"] < cfg.train.max_steps and not (budget > 0 and seconds_before >= budget):
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        model.train()
-        micro_batches = [batches.next() for _ in range(cfg.train.grad_accum)]
-        # the step's valid tokens on all processes, known before the first backward (see runtime.loss_weight)
-        counts = runtime.step_token_counts([b for _, b in micro_batches], accelerator)
-        sums, local_tokens = {}, 0.0
-        for micro, (rows, batch) in enumerate(micro_batches):
-            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-            if store is not None:  # offline: features / teacher logits come from disk
-                extra = store.batch(rows, batch["input_ids"].shape[1])
-                features = extra.pop("features", None)
-                batch.update({k: v.to(accelerator.device) for k, v in extra.items()})
-                features = features.to(accelerator.device) if features is not None else None
-            else:
-                features = features_for(target, batch, rows, feature_layers, cache) if feature_layers else None
-            last = micro == cfg.train.grad_accum - 1
-            accelerator.sync_gradients = last  # DeepSpeed reduces and steps at the last micro-batch only
-            with accelerator.no_sync(model) if not last else nullcontext():
-                with accelerator.autocast():
-                    loss, metrics = model(batch, features)
-                accelerator.backward(loss * runtime.loss_weight(batch, counts["loss"], world))
-            tokens = float(batch["loss_mask"].sum())
-            local_tokens += tokens
-            for k, v in {"loss": loss.item(), **metrics}.items():
-                sums[k] = sums.get(k, 0.0) + float(v) * tokens
-        if cfg.train.grad_clip > 0:
-            accelerator.clip_grad_norm_(params, cfg.train.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        state["step"] += 1
-        state["micro_step"] = batches.micro_step
-        step = state["step"]
-        speed.add(counts, time.perf_counter() - t0, time.process_time() - cpu0)
-        state["train_seconds"] = seconds_before + time.perf_counter() - loop_start
-        out_of_time = budget > 0 and runtime.any_process(state["train_seconds"] >= budget, accelerator)
-        final = step == cfg.train.max_steps or out_of_time
+    with runtime.StopSignals() as stop:  # SIGTERM / SIGUSR1: save the step in progress, then stop
+        while state["step"] < cfg.train.max_steps and not (budget > 0 and seconds_before >= budget):
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            model.train()
+            micro_batches = [batches.next() for _ in range(cfg.train.grad_accum)]
+            # the step's valid tokens on all processes, known before the first backward (see runtime.loss_weight)
+            counts = runtime.step_token_counts([b for _, b in micro_batches], accelerator)
+            sums, local_tokens = {}, 0.0
+            for micro, (rows, batch) in enumerate(micro_batches):
+                batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+                if store is not None:  # offline: features / teacher logits come from disk
+                    extra = store.batch(rows, batch["input_ids"].shape[1])
+                    features = extra.pop("features", None)
+                    batch.update({k: v.to(accelerator.device) for k, v in extra.items()})
+                    features = features.to(accelerator.device) if features is not None else None
+                else:
+                    features = features_for(target, batch, rows, feature_layers, cache) if feature_layers else None
+                last = micro == cfg.train.grad_accum - 1
+                accelerator.sync_gradients = last  # DeepSpeed reduces and steps at the last micro-batch only
+                with accelerator.no_sync(model) if not last else nullcontext():
+                    with accelerator.autocast():
+                        loss, metrics = model(batch, features)
+                    accelerator.backward(loss * runtime.loss_weight(batch, counts["loss"], world))
+                tokens = float(batch["loss_mask"].sum())
+                local_tokens += tokens
+                for k, v in {"loss": loss.item(), **metrics}.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * tokens
+            if cfg.train.grad_clip > 0:
+                accelerator.clip_grad_norm_(params, cfg.train.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            state["step"] += 1
+            state["micro_step"] = batches.micro_step
+            step = state["step"]
+            speed.add(counts, time.perf_counter() - t0, time.process_time() - cpu0)
+            state["train_seconds"] = seconds_before + time.perf_counter() - loop_start
+            out_of_time = budget > 0 and state["train_seconds"] >= budget
+            halt = runtime.any_process(out_of_time or stop.received is not None, accelerator)  # all ranks stop together
+            final = step == cfg.train.max_steps or halt
 
-        progress.update(1)
-        if step % cfg.train.log_every == 0 or final:
-            means = runtime.reduce_metrics(sums, local_tokens, accelerator)  # collective: every rank logs
-            if is_main:
-                row = {"step": step, "lr": scheduler.get_last_lr()[0], **means, **speed.row(),
-                       **runtime.peak_memory_mb(accelerator.device), "world_size": world}
-                runtime.log_metrics(out_dir, row, accelerator)
-                progress.set_postfix(loss=f"{means['loss']:.3f}", **({"tau": f"{state['history'][-1]['tau']:.2f}"}
-                                                                     if state["history"] else {}))
-            speed.reset()
+            progress.update(1)
+            if step % cfg.train.log_every == 0 or final:
+                means = runtime.reduce_metrics(sums, local_tokens, accelerator)  # collective: every rank logs
+                if is_main:
+                    row = {"step": step, "lr": scheduler.get_last_lr()[0], **means, **speed.row(),
+                           **runtime.peak_memory_mb(accelerator.device), "world_size": world}
+                    runtime.log_metrics(out_dir, row, accelerator)
+                    progress.set_postfix(loss=f"{means['loss']:.3f}", **({"tau": f"{state['history'][-1]['tau']:.2f}"}
+                                                                         if state["history"] else {}))
+                speed.reset()
 
-        eval_due = cfg.eval.every > 0 and (step % cfg.eval.every == 0 or final)
-        save_due = final or eval_due or (cfg.train.save_every > 0 and step % cfg.train.save_every == 0)
-        if save_due:
-            checkpoint_step(cfg, out_dir, step, drafter, model, optimizer, scheduler, state,
-                            evaluator if eval_due else None, accelerator)
-            if is_main and ((cfg.hub.push == "every_eval" and eval_due) or (cfg.hub.push == "final" and final)):
-                push_to_hub(cfg, out_dir / f"step_{step}", target, tokenizer)
-        if out_of_time:
-            tqdm.write(f"train.max_minutes={cfg.train.max_minutes:g} reached after {state['train_seconds'] / 60:.1f} "
-                       f"min: stopped at step {step} of {cfg.train.max_steps} (saved step_{step})")
-            break
+            # stopped by a signal: save at once (a preemption leaves little time), evaluate only on schedule
+            eval_due = cfg.eval.every > 0 and (step % cfg.eval.every == 0 or (final and stop.received is None))
+            save_due = final or eval_due or (cfg.train.save_every > 0 and step % cfg.train.save_every == 0)
+            if save_due:
+                checkpoint_step(cfg, out_dir, step, drafter, model, optimizer, scheduler, state,
+                                evaluator if eval_due else None, accelerator)
+                if is_main and ((cfg.hub.push == "every_eval" and eval_due) or (cfg.hub.push == "final" and final
+                                                                          and stop.received is None)):
+                    push_to_hub(cfg, out_dir / f"step_{step}", target, tokenizer)
+            if halt:
+                minutes = state["train_seconds"] / 60
+                why = (f"{stop.received} received" if stop.received else
+                       f"train.max_minutes={cfg.train.max_minutes:g} reached after {minutes:.1f} min" if out_of_time
+                       else "another process was asked to stop")
+                tqdm.write(f"{why}: stopped at step {step} of {cfg.train.max_steps} (saved step_{step}; "
+                           "train.resume=auto continues)")
+                break
     progress.close()
     accelerator.end_training()
     if is_main and cfg.hub.push == "best":
         push_to_hub(cfg, out_dir, target, tokenizer)
 
     summary = {"out_dir": str(out_dir), "steps": state["step"], "best_step": state["best_step"],
-               "best_tau": state["best_tau"], "history": state["history"]}
+               "best_tau": state["best_tau"], "history": state["history"], "stopped_by": stop.received,
+               "exit_code": stop.exit_code}
     if is_main:
         print_summary(summary)
     return summary
@@ -515,7 +524,9 @@ def cli(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["--check"], ["--check-config"]):
         return run_guarded(lambda: check(load_config(argv[1:]), run_folder=argv[0] == "--check"))
-    return run_guarded(lambda: main(load_config(argv)))
+    summary = {}
+    code = run_guarded(lambda: summary.update(main(load_config(argv))))
+    return code or summary.get("exit_code", 0)  # stopped by a signal: the shell's code for it, after saving
 
 
 if __name__ == "__main__":

@@ -40,10 +40,14 @@ def pause():
     time.sleep(600)
 
 at = int(os.environ.get("PAUSE_AT_MICRO_STEP", "-1"))
+signal_at = int(os.environ.get("SIGNAL_AT_MICRO_STEP", "-1"))
 take = runtime.Batches.next
 def next_batch(self):
     if self.micro_step == at:
         pause()
+    if self.micro_step == signal_at:  # as a scheduler would: the signal arrives while a step is in progress
+        import signal
+        os.kill(os.getpid(), getattr(signal, os.environ["SIGNAL"]))
     return take(self)
 runtime.Batches.next = next_batch
 
@@ -60,6 +64,8 @@ def save_file(tensors, path, *a, **k):
         pause()
     return write(tensors, path, *a, **k)
 ckpt.save_file = save_file
+if signal_at >= 0:  # the console entry point: its exit code is under test
+    sys.exit(train.cli(sys.argv[1:]))
 train.main(load_config(sys.argv[1:]))
 """
 
@@ -146,6 +152,37 @@ def test_kill_9_mid_training_then_resume_auto_matches_an_uninterrupted_run(
     assert metrics_steps(out) == [1, 2, 3, 4, 5, 6]
     launches = json.loads((out / "run_info.json").read_text())["launches"]
     assert len(launches) == 2 and launches[1]["resumed_from"].endswith("step_4")
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_saves_the_step_in_progress_then_resume_matches_an_uninterrupted_run(
+        uninterrupted, tiny_target_dir, tiny_chat_file, tmp_path, name):
+    """What a cluster sends before preempting a job: the step in progress finishes and is saved, the process
+    exits with the signal's code (128 + its number), and train.resume=auto continues as if nothing happened."""
+    out, script = tmp_path / "run", tmp_path / "trainer.py"
+    script.write_text(PAUSING_TRAINER.format(root=str(ROOT)))
+    env = {**os.environ, "MARKER": str(tmp_path / "unused"), "PYTHONPATH": str(ROOT), "SIGNAL": name,
+           "SIGNAL_AT_MICRO_STEP": "2"}  # while taking the batch of step 3
+    proc = subprocess.run([sys.executable, str(script), *args(tiny_target_dir, tiny_chat_file, out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 128 + getattr(signal, name), proc.stderr[-3000:]
+    assert f"{name} received: stopped at step 3 of 6" in proc.stderr + proc.stdout
+    assert [p.name for p in ckpt.step_folders(out)] == ["step_2", "step_3"]
+    assert ckpt.load_trainer_state(out / "step_3")["step"] == 3
+    summary = main(load_config(args(tiny_target_dir, tiny_chat_file, out, "train.resume=auto")))
+    assert summary["steps"] == 6 and summary["stopped_by"] is None
+    assert_same_weights(final_weights(out), final_weights(uninterrupted))
+    assert metrics_steps(out) == [1, 2, 3, 4, 5, 6]
+
+
+def test_stop_signals_record_the_first_signal_and_put_the_old_handler_back():
+    before = signal.getsignal(signal.SIGUSR1)
+    with runtime.StopSignals() as stop:
+        assert stop.received is None and stop.exit_code == 0
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)  # the handler runs between bytecodes of the main thread
+        assert stop.received == "SIGUSR1" and stop.exit_code == 128 + signal.SIGUSR1
+    assert signal.getsignal(signal.SIGUSR1) is before
 
 
 def test_crash_raised_while_writing_a_checkpoint(uninterrupted, tiny_target_dir, tiny_chat_file, tmp_path,
