@@ -108,7 +108,9 @@ def cmd_train(args) -> None:
             "overrides": overrides}
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_train.json").write_text(json.dumps(info, indent=2))   # what `report` needs mid-run too
-    main(load_config(overrides))
+    summary = main(load_config(overrides))
+    if summary["stopped_by"]:  # saved where it stopped; the same command resumes it
+        sys.exit(summary["exit_code"])
     (out / "bench_train.json").write_text(json.dumps({**info, "wall_seconds": time.time() - t0}, indent=2))
 
 
