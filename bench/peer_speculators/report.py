@@ -345,7 +345,9 @@ def main() -> None:
     run["goals"] = goals(run)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(run, indent=2) + "\n")
+    # paths as a reader's checkout has them: relative to the repository, the peer's venv by its role
+    text = json.dumps(run, indent=2).replace(str(root) + "/", "").replace(args.spec_venv, "SPECULATORS_VENV")
+    (out / f"{args.name}.json").write_text(text + "\n")
     aggregate(out, out)
 
 
