@@ -82,9 +82,8 @@ def test_timing_repeats_are_interleaved(tiny_target, monkeypatch):
     assert report["timing"] == "interleaved" and len(report["load_average"]) == 2
 
 
-def test_lookup_first_drafts_repeats_by_lookup_and_stays_lossless(tiny_target):
-    """Prompt lookup in front of a drafter: on a prompt that repeats itself lookup drafts some rounds, the drafter
-    the others, and the output is the target's."""
+def lookup_first_setup(tiny_target):
+    """A random EAGLE head behind prompt lookup, a prompt that repeats itself, and the target's own greedy output."""
     from draftlab.drafters.eagle import EagleHead
     from draftlab.proposers import LookupFirstProposer
 
@@ -93,26 +92,25 @@ def test_lookup_first_drafts_repeats_by_lookup_and_stays_lossless(tiny_target):
     head = EagleHead.from_target(model, None).eval()
     prompt = torch.tensor(tok("The quick brown fox. The quick brown fox. The quick brown fox. The quick")["input_ids"])
     expected = evaluator.target_generate(model, prompt, 24).tokens
-    proposer = LookupFirstProposer(head.proposer(model), min_ngram=2)
+    return model, prompt, expected, lambda: LookupFirstProposer(head.proposer(model), min_ngram=2)
+
+
+def test_lookup_first_drafts_repeats_by_lookup_and_stays_lossless(tiny_target):
+    """Prompt lookup in front of a drafter: on a prompt that repeats itself lookup drafts some rounds, the drafter
+    the others, and the output is the target's."""
+    model, prompt, expected, make = lookup_first_setup(tiny_target)
+    proposer = make()
     out = evaluator.speculative_generate(model, proposer, prompt, TreeSpec(draft_length=4), Sampling(), 24)
     assert out.tokens == expected and out.rounds > proposer.lookup_rounds > 0
 
 
 def test_lookup_first_with_a_tree_drafts_lookup_chains_and_drafter_trees_losslessly(tiny_target):
-    from draftlab.drafters.eagle import EagleHead
-    from draftlab.proposers import LookupFirstProposer
-
-    model, tok = tiny_target
-    torch.manual_seed(0)
-    head = EagleHead.from_target(model, None).eval()
-    prompt = torch.tensor(tok("The quick brown fox. The quick brown fox. The quick brown fox. The quick")["input_ids"])
-    expected = evaluator.target_generate(model, prompt, 24).tokens
-    proposer = LookupFirstProposer(head.proposer(model), min_ngram=2)
+    model, prompt, expected, make = lookup_first_setup(tiny_target)
+    proposer = make()
     spec = TreeSpec(kind="dynamic", depth=4, top_k=4, total_tokens=12)
     out = evaluator.speculative_generate(model, proposer, prompt, spec, Sampling(), 24)
     assert out.tokens == expected and out.rounds > proposer.lookup_rounds > 0
-    sampled = evaluator.speculative_generate(model, LookupFirstProposer(head.proposer(model), min_ngram=2), prompt,
-                                             spec, Sampling(temperature=0.7), 24,
+    sampled = evaluator.speculative_generate(model, make(), prompt, spec, Sampling(temperature=0.7), 24,
                                              generator=torch.Generator().manual_seed(0))
     assert 0 < len(sampled.tokens) <= 24
 
