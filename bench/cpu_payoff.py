@@ -23,6 +23,11 @@ Stages:
          is met or missed.
 --train-file / --store: train on a prepared file and feature store instead (e.g. bench/learning_curve_big.sh's
 data/lc_today.jsonl and its store); their preparation time is read from --data-seconds (a JSON of timed steps).
+--from-run DIR: score the drafter of a run trained elsewhere (its best or newest step), e.g. a run of
+bench/learning_curve_big.sh: no training here; the training record (recipe, steps, train_seconds, training
+tokens) is summed from that run's own metrics.jsonl, so the hour's budget is checked against what it took.
+
+    python bench/cpu_payoff.py --from-run bench/results/cache/learning_curve/runs/eagle3_today --label eagle3_today
 Results of every evaluation are cached under bench/results/cache/cpu_payoff/ and reused by a rerun; a row
 served from that cache says so (`from_cache`), in the JSON and in the markdown.
 """
@@ -81,6 +86,8 @@ def parse_args(argv=None):
     ap.add_argument("--store", default="", help="the feature store of --train-file (hidden states 2,15,27,-1)")
     ap.add_argument("--data-seconds", default="", help="JSON {step: {rows, seconds, ...}} of the timed data "
                     "preparation of --train-file and --store")
+    ap.add_argument("--from-run", default="", help="score this finished run folder's drafter instead of training one "
+                    "(training figures from its metrics.jsonl)")
     ap.add_argument("--dynamic", action=argparse.BooleanOptionalAction, default=True,
                     help="also score the drafter as an EAGLE-2 dynamic tree (depth 5, top-k 8, 48 nodes)")
     return ap.parse_args(argv)
@@ -201,7 +208,26 @@ def stage_data(args) -> Path:
 
 
 def run_folder(args) -> Path:
-    return CACHE / "runs" / args.label
+    return Path(args.from_run) if args.from_run else CACHE / "runs" / args.label
+
+
+def run_record(folder: Path) -> dict:
+    """The training record of a run trained elsewhere, from its config.yaml and metrics.jsonl (every logged
+    step's train_seconds and train_tokens, resumed segments included)."""
+    import yaml
+
+    metrics_file, config_file = folder / "metrics.jsonl", folder / "config.yaml"
+    if not metrics_file.is_file() or not config_file.is_file():
+        sys.exit(f"--from-run {folder}: not a finished draftlab run folder (it needs metrics.jsonl and config.yaml); "
+                 f"point it at the out_dir of a training run")
+    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    config = yaml.safe_load(config_file.read_text())
+    record = {"recipe": config.get("recipe"), "from_run": str(folder), "steps": max(r["step"] for r in metrics),
+              "max_steps": config.get("train", {}).get("max_steps"), "threads": config.get("train", {}).get("num_threads"),
+              "train_seconds": sum(r.get("train_seconds", 0.0) for r in metrics),
+              "train_tokens": sum(r.get("train_tokens", 0.0) for r in metrics)}
+    record["train_tokens_per_second"] = record["train_tokens"] / max(record["train_seconds"], 1e-9)
+    return record
 
 
 def stage_train(args, train: Path) -> dict:
@@ -499,6 +525,12 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.stage == "answer":
         return stage_answer(args)
+    if args.from_run:
+        record = run_record(Path(args.from_run))
+        rows = stage_eval(args)
+        data = json.loads(Path(args.data_seconds).read_text()) if args.data_seconds else {}
+        data["total_measured_seconds"] = sum(v.get("seconds") or 0 for v in data.values() if isinstance(v, dict))
+        return stage_report(args, rows, record, data)
     train = stage_data(args) if args.stage in ("data", "train", "all") else train_file(args)
     if args.stage == "data":
         return

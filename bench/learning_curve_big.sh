@@ -17,6 +17,8 @@
 #   eval     real speculative decoding by the fp32 target on all 80 MT-bench first turns and the 24 held-out
 #            prompts, chain k=5 and the 16-node dynamic tree, 96 new tokens (EVAL_STEPS: which checkpoints)
 #   report   bench/results/learning_curve_big.{json,md,png} (every label of both mixes scored so far)
+# The wall time of each data stage (synthesis, answers, store) is appended to data/lc_<mix>.timing.jsonl, a line
+# per invocation (a resumed stage adds one), for cpu_payoff.py --data-seconds.
 #
 # Settings (environment): MIX STAGES THREADS (per job) JOBS (trainings / evaluations at the same time) NUM_CHAT
 # (chat prompts to synthesise before filtering) POINTS (checkpoints per pass, default 10) EVAL_STEPS
@@ -44,6 +46,13 @@ MAXLEN=512
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 log() { echo "[$(date +%H:%M:%S)] $*"; }
+# timed NAME FILE CMD...: run CMD and append its wall time to FILE (one JSON line; a resumed stage adds a line)
+timed() {
+  local name=$1 file=$2 t0; shift 2; t0=$(date +%s.%N)
+  "$@"
+  python -c 'import json, os, sys, time; print(json.dumps({"stage": sys.argv[1], "seconds": round(time.time() - float(sys.argv[2]), 1), "threads": int(sys.argv[3]), "load_average": os.getloadavg()[0], "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}))' \
+    "$name" "$t0" "$THREADS" >> "$file"
+}
 mkdir -p data
 
 case $MIX in
@@ -63,14 +72,14 @@ if has answers; then
     [ -f data/chat_synth_raw.jsonl ] || { [ -f data_prep/prompts/chat_synth_raw.jsonl.gz ] &&
       gunzip -c data_prep/prompts/chat_synth_raw.jsonl.gz > data/chat_synth_raw.jsonl || true; }
     log "synthesise $NUM_CHAT chat-like conversations (resumable), then filter them into $PROMPTS"
-    python data_prep/synthesize_prompts.py --target "$TARGET" --backend llama_cpp --weights bf16 --parallel 32 \
+    timed synthesis "data/lc_$MIX.timing.jsonl" python data_prep/synthesize_prompts.py --target "$TARGET" --backend llama_cpp --weights bf16 --parallel 32 \
       --threads "$THREADS" --num "$NUM_CHAT" --chunk 256 --user-max-tokens 160 --mix-tolerance 0.3 \
       --raw data/chat_synth_raw.jsonl --out "$PROMPTS" --stats bench/results/prompt_synth --no-progress
   fi
   # a shipped snapshot of the answers starts the file (answered ids are skipped)
   [ -f "$ANSWERS" ] || { [ -f "$SNAPSHOT" ] && gunzip -c "$SNAPSHOT" > "$ANSWERS" || true; }
   log "answer $PROMPTS into $ANSWERS (resumable)"
-  python data_prep/regenerate.py --backend llama_cpp --weights bf16 --parallel 32 --threads "$THREADS" \
+  timed answers "data/lc_$MIX.timing.jsonl" python data_prep/regenerate.py --backend llama_cpp --weights bf16 --parallel 32 --threads "$THREADS" \
     --max-new-tokens 256 --target "$TARGET" --prompts "$PROMPTS" --out "$ANSWERS" --no-progress
 fi
 
@@ -80,7 +89,7 @@ fi
 
 if has store; then
   log "feature store $STORE (bf16 target, bf16 features)"
-  python data_prep/dump_features.py --target "$TARGET" --data "$DATA" --out "$STORE" --layers 2,15,27,-1 \
+  timed store "data/lc_$RUN.timing.jsonl" python data_prep/dump_features.py --target "$TARGET" --data "$DATA" --out "$STORE" --layers 2,15,27,-1 \
     --max-length $MAXLEN --dtype bfloat16 --store-dtype bfloat16 --batch-size 8 --no-progress
 fi
 
