@@ -1,0 +1,93 @@
+"""The data helpers of the learning-curve and payoff benchmarks: learning_curve.py `data --sample` and
+cpu_payoff.py's record of a run trained elsewhere (--from-run). Pure file work, no model."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def conversation(i: int, user: str | None = None) -> dict:
+    return {"id": f"c{i}", "messages": [{"role": "user", "content": user or f"question number {i}"},
+                                        {"role": "assistant", "content": f"answer number {i}"}]}
+
+
+@pytest.fixture
+def answers(tmp_path) -> Path:
+    """20 conversations, the third of which opens with the first MT-bench prompt (an evaluation prompt)."""
+    lc = load_script("learning_curve")
+    from draftlab.data import load_prompts
+
+    first_mtbench = lc.first_user_turn(load_prompts(lc.SETS["mtbench"], limit=1)[0].messages)
+    rows = [conversation(i, first_mtbench if i == 2 else None) for i in range(20)]
+    path = tmp_path / "answers.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def ids_of(path: Path) -> list[str]:
+    return [json.loads(line)["id"] for line in path.read_text().splitlines()]
+
+
+def test_data_sample_is_a_seeded_subset_in_file_order_without_evaluation_prompts(answers, tmp_path):
+    lc = load_script("learning_curve")
+    lc.main(["data", "--data", str(answers), "--out", str(tmp_path / "all.jsonl")])
+    everything = ids_of(tmp_path / "all.jsonl")
+    assert len(everything) == 19 and "c2" not in everything
+
+    for seed, name in [(0, "a"), (0, "b"), (1, "c")]:
+        lc.main(["data", "--data", str(answers), "--out", str(tmp_path / f"{name}.jsonl"), "--sample", "7",
+                 "--seed", str(seed)])
+    a, b, c = (ids_of(tmp_path / f"{n}.jsonl") for n in "abc")
+    assert a == b                                         # the same seed draws the same rows
+    assert a != c                                         # another seed draws others
+    for sample in (a, c):
+        assert len(sample) == 7 and len(set(sample)) == 7
+        assert set(sample) <= set(everything)
+        assert sample == [i for i in everything if i in sample]  # kept in file order
+
+
+def test_data_sample_larger_than_the_data_is_one_clear_error(answers, tmp_path):
+    lc = load_script("learning_curve")
+    out = tmp_path / "out.jsonl"
+    out.write_text("kept\n")
+    with pytest.raises(SystemExit, match="has only 19 conversations"):
+        lc.main(["data", "--data", str(answers), "--out", str(out), "--sample", "20"])
+    assert out.read_text() == "kept\n"                    # nothing written over
+
+
+def test_run_record_sums_every_logged_segment(tmp_path):
+    payoff = load_script("cpu_payoff")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"recipe": "eagle3_head",
+                                                     "train": {"max_steps": 30, "num_threads": 1}}))
+    rows = [{"step": 10, "loss": 3.0, "train_seconds": 4.0, "train_tokens": 400.0},
+            {"step": 20, "loss": 2.0, "train_seconds": 6.0, "train_tokens": 400.0},
+            {"step": 20, "eval/acceptance_length": 1.5},          # an evaluation row: no training time
+            {"step": 30, "loss": 1.0, "train_seconds": 10.0, "train_tokens": 400.0}]  # a resumed segment
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    record = payoff.run_record(run)
+
+    assert record["recipe"] == "eagle3_head" and record["steps"] == 30 and record["max_steps"] == 30
+    assert record["train_seconds"] == 20.0 and record["train_tokens"] == 1200.0
+    assert record["train_tokens_per_second"] == 60.0
+
+
+def test_run_record_of_a_folder_that_is_not_a_run_is_one_clear_error(tmp_path):
+    payoff = load_script("cpu_payoff")
+    with pytest.raises(SystemExit, match="not a finished draftlab run folder"):
+        payoff.run_record(tmp_path)
