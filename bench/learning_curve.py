@@ -221,6 +221,7 @@ def cmd_report(args) -> None:
             acc_key = "acc_0" if window and "acc_0" in window[-1] else "acc"
             epoch = n / max(1, info.get("steps", n)) * info.get("epochs", 1)
             row = {"label": label, "recipe": info.get("recipe"), "step": n, "epoch": epoch,
+                   "conversations": info.get("rows"),
                    "conversations_seen": round(epoch * info["rows"]) if info.get("rows") else None,
                    "train_tokens_seen": before[-1]["tokens_seen"] if before else 0.0,
                    "train_seconds": sum(r.get("train_seconds", 0.0) for r in before),
@@ -240,11 +241,13 @@ def cmd_report(args) -> None:
               "max_new_tokens": args.max_new_tokens, "shapes": SHAPES}
     out.with_suffix(".json").write_text(json.dumps({"header": header, "points": points}, indent=2) + "\n")
     cols = [f"tau_{n}_{s}" for n in SETS for s in SHAPES]
-    lines = ["| run | step | epoch | conversations seen | tokens seen | train s | train top-1 | " + " | ".join(cols)
-             + " |", "|---" * (7 + len(cols)) + "|"]
+    lines = ["| run | step | epoch | conversations | conversations seen | tokens seen | train s | train top-1 | "
+             + " | ".join(cols) + " |", "|---" * (8 + len(cols)) + "|"]
     for p in points:
         seen = "-" if p.get("conversations_seen") is None else f"{p['conversations_seen']:,}"
-        lines.append(f"| {p['label']} | {p['step']} | {p['epoch']:.2f} | {seen} | {p['train_tokens_seen']:,.0f} | "
+        distinct = "-" if p.get("conversations") is None else f"{p['conversations']:,}"
+        lines.append(f"| {p['label']} | {p['step']} | {p['epoch']:.2f} | {distinct} | {seen} | "
+                     f"{p['train_tokens_seen']:,.0f} | "
                      f"{p['train_seconds']:.0f} | {_f(p['train_top1_agreement'])} | "
                      + " | ".join(_f(p.get(c)) for c in cols) + " |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
