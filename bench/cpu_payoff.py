@@ -223,7 +223,8 @@ def run_record(folder: Path) -> dict:
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
     config = yaml.safe_load(config_file.read_text())
     record = {"recipe": config.get("recipe"), "from_run": str(folder), "steps": max(r["step"] for r in metrics),
-              "max_steps": config.get("train", {}).get("max_steps"), "threads": config.get("train", {}).get("num_threads"),
+              "max_steps": config.get("train", {}).get("max_steps"),
+              "threads": config.get("train", {}).get("num_threads"),
               "train_seconds": sum(r.get("train_seconds", 0.0) for r in metrics),
               "train_tokens": sum(r.get("train_tokens", 0.0) for r in metrics)}
     record["train_tokens_per_second"] = record["train_tokens"] / max(record["train_seconds"], 1e-9)

@@ -68,6 +68,21 @@ def build_tiny_llama(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 64
 
 
 @pytest.fixture(scope="session")
+def bench_script():
+    """load(name): the module of bench/NAME.py (the benchmark scripts are files, not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    def load(name: str):
+        path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return load
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer():
     return build_tokenizer()
 

@@ -2,22 +2,11 @@
 write their JSON, markdown (and plot)."""
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_draft_cost_on_tiny_target(tiny_target_dir, tiny_chat_file, tiny_prompt_file, tmp_path):
-    bench = load_script("draft_cost")
+def test_draft_cost_on_tiny_target(bench_script, tiny_target_dir, tiny_chat_file, tiny_prompt_file, tmp_path):
+    bench = bench_script("draft_cost")
     out = tmp_path / "draft_cost.json"
     result = bench.main(["--target", tiny_target_dir, "--answers", tiny_chat_file, "--prompts", tiny_prompt_file,
                          "--vocab", "32", "--repeats", "2", "--inner", "1", "--medusa-heads", "2", "--length", "3",
@@ -35,8 +24,8 @@ def test_draft_cost_on_tiny_target(tiny_target_dir, tiny_chat_file, tiny_prompt_
     assert "| small_lm | 32 |" in out.with_suffix(".md").read_text()
 
 
-def test_verification_cost_curve_on_tiny_llama(tmp_path):
-    bench = load_script("verification_cost")
+def test_verification_cost_curve_on_tiny_llama(bench_script, tmp_path):
+    bench = bench_script("verification_cost")
     out = tmp_path / "verification_cost.json"
     result = bench.main(["--curve", "4", "--curve-passes", "2", "--repeats", "1", "--num-prompts", "1",
                          "--max-new-tokens", "4", "--prefix-len", "32", "--threads", "1", "--out", str(out)])

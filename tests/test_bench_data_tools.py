@@ -2,21 +2,11 @@
 cpu_payoff.py's record of a run trained elsewhere (--from-run). Pure file work, no model."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import yaml
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def conversation(i: int, user: str | None = None) -> dict:
@@ -25,9 +15,9 @@ def conversation(i: int, user: str | None = None) -> dict:
 
 
 @pytest.fixture
-def answers(tmp_path) -> Path:
+def answers(tmp_path, bench_script) -> Path:
     """20 conversations, the third of which opens with the first MT-bench prompt (an evaluation prompt)."""
-    lc = load_script("learning_curve")
+    lc = bench_script("learning_curve")
     from draftlab.data import load_prompts
 
     first_mtbench = lc.first_user_turn(load_prompts(lc.SETS["mtbench"], limit=1)[0].messages)
@@ -41,8 +31,8 @@ def ids_of(path: Path) -> list[str]:
     return [json.loads(line)["id"] for line in path.read_text().splitlines()]
 
 
-def test_data_sample_is_a_seeded_subset_in_file_order_without_evaluation_prompts(answers, tmp_path):
-    lc = load_script("learning_curve")
+def test_data_sample_is_a_seeded_subset_in_file_order_without_evaluation_prompts(bench_script, answers, tmp_path):
+    lc = bench_script("learning_curve")
     lc.main(["data", "--data", str(answers), "--out", str(tmp_path / "all.jsonl")])
     everything = ids_of(tmp_path / "all.jsonl")
     assert len(everything) == 19 and "c2" not in everything
@@ -59,8 +49,8 @@ def test_data_sample_is_a_seeded_subset_in_file_order_without_evaluation_prompts
         assert sample == [i for i in everything if i in sample]  # kept in file order
 
 
-def test_data_sample_larger_than_the_data_is_one_clear_error(answers, tmp_path):
-    lc = load_script("learning_curve")
+def test_data_sample_larger_than_the_data_is_one_clear_error(bench_script, answers, tmp_path):
+    lc = bench_script("learning_curve")
     out = tmp_path / "out.jsonl"
     out.write_text("kept\n")
     with pytest.raises(SystemExit, match="has only 19 conversations"):
@@ -68,8 +58,8 @@ def test_data_sample_larger_than_the_data_is_one_clear_error(answers, tmp_path):
     assert out.read_text() == "kept\n"                    # nothing written over
 
 
-def test_run_record_sums_every_logged_segment(tmp_path):
-    payoff = load_script("cpu_payoff")
+def test_run_record_sums_every_logged_segment(bench_script, tmp_path):
+    payoff = bench_script("cpu_payoff")
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text(yaml.safe_dump({"recipe": "eagle3_head",
@@ -87,7 +77,7 @@ def test_run_record_sums_every_logged_segment(tmp_path):
     assert record["train_tokens_per_second"] == 60.0
 
 
-def test_run_record_of_a_folder_that_is_not_a_run_is_one_clear_error(tmp_path):
-    payoff = load_script("cpu_payoff")
+def test_run_record_of_a_folder_that_is_not_a_run_is_one_clear_error(bench_script, tmp_path):
+    payoff = bench_script("cpu_payoff")
     with pytest.raises(SystemExit, match="not a finished draftlab run folder"):
         payoff.run_record(tmp_path)
