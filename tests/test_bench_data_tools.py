@@ -15,9 +15,17 @@ def conversation(i: int, user: str | None = None) -> dict:
 
 
 @pytest.fixture
-def answers(tmp_path, bench_script) -> Path:
+def lc(bench_script):
+    """bench/learning_curve.py, its evaluation sets pointed at the checkout's own copies."""
+    module = bench_script("learning_curve")
+    prompts = module.ROOT / "data_prep" / "prompts"
+    module.SETS = {"mtbench": str(prompts / "mtbench.jsonl"), "heldout": str(prompts / "heldout_train_dist.jsonl")}
+    return module
+
+
+@pytest.fixture
+def answers(tmp_path, lc) -> Path:
     """20 conversations, the third of which opens with the first MT-bench prompt (an evaluation prompt)."""
-    lc = bench_script("learning_curve")
     from draftlab.data import load_prompts
 
     first_mtbench = lc.first_user_turn(load_prompts(lc.SETS["mtbench"], limit=1)[0].messages)
@@ -31,8 +39,7 @@ def ids_of(path: Path) -> list[str]:
     return [json.loads(line)["id"] for line in path.read_text().splitlines()]
 
 
-def test_data_sample_is_a_seeded_subset_in_file_order_without_evaluation_prompts(bench_script, answers, tmp_path):
-    lc = bench_script("learning_curve")
+def test_data_sample_is_a_seeded_subset_in_file_order_without_evaluation_prompts(lc, answers, tmp_path):
     lc.main(["data", "--data", str(answers), "--out", str(tmp_path / "all.jsonl")])
     everything = ids_of(tmp_path / "all.jsonl")
     assert len(everything) == 19 and "c2" not in everything
@@ -49,8 +56,7 @@ def test_data_sample_is_a_seeded_subset_in_file_order_without_evaluation_prompts
         assert sample == [i for i in everything if i in sample]  # kept in file order
 
 
-def test_data_sample_larger_than_the_data_is_one_clear_error(bench_script, answers, tmp_path):
-    lc = bench_script("learning_curve")
+def test_data_sample_larger_than_the_data_is_one_clear_error(lc, answers, tmp_path):
     out = tmp_path / "out.jsonl"
     out.write_text("kept\n")
     with pytest.raises(SystemExit, match="has only 19 conversations"):
