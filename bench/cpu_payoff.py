@@ -155,8 +155,8 @@ def store_path(args, train: Path) -> Path:
 def data_seconds(args, train: Path) -> dict:
     """CPU-bound wall time that went into the training data: answering (the shared file's documented hour for
     1,184 answers, and the measured time of --more from its regenerate log) and building the feature store; with
-    --train-file, the steps --data-seconds records."""
-    if args.train_file:
+    --train-file or --from-run, the steps --data-seconds records."""
+    if args.train_file or args.from_run:
         info = json.loads(Path(args.data_seconds).read_text()) if args.data_seconds else {}
         info["total_measured_seconds"] = sum(v.get("seconds") or 0 for v in info.values() if isinstance(v, dict))
         return info
@@ -528,10 +528,7 @@ def main(argv=None) -> None:
         return stage_answer(args)
     if args.from_run:
         record = run_record(Path(args.from_run))
-        rows = stage_eval(args)
-        data = json.loads(Path(args.data_seconds).read_text()) if args.data_seconds else {}
-        data["total_measured_seconds"] = sum(v.get("seconds") or 0 for v in data.values() if isinstance(v, dict))
-        return stage_report(args, rows, record, data)
+        return stage_report(args, stage_eval(args), record, data_seconds(args, None))
     train = stage_data(args) if args.stage in ("data", "train", "all") else train_file(args)
     if args.stage == "data":
         return
