@@ -87,3 +87,24 @@ def test_run_record_of_a_folder_that_is_not_a_run_is_one_clear_error(bench_scrip
     payoff = bench_script("cpu_payoff")
     with pytest.raises(SystemExit, match="not a finished draftlab run folder"):
         payoff.run_record(tmp_path)
+
+
+def test_goals_score_the_head_alone_beside_the_hybrid_against_prompt_lookup(bench_script):
+    payoff = bench_script("cpu_payoff")
+
+    def row(drafter, tree, prompt_set, tau):
+        return {"drafter": drafter, "tree": tree, "prompt_set": prompt_set, "acceptance_length": tau, "lossless": True}
+    hybrid = "head + lookup-first (n>=3)"
+    rows = [row("head", "chain k=5", "mtbench", 1.6), row("prompt_lookup", "chain k=5", "mtbench", 1.5),
+            row(hybrid, "chain k=5", "mtbench", 1.9), row(hybrid, "auto (chain k=2)", "mtbench", 1.7),
+            row(hybrid, "dynamic 48", "mtbench", 2.7), row("head", "chain k=5", "humaneval", 1.6),
+            row("prompt_lookup", "chain k=5", "humaneval", 1.7), row(hybrid, "chain k=5", "humaneval", 2.0)]
+
+    goals = {g["goal"]: g for g in payoff.goals(rows, {"train_seconds": 100.0})}
+
+    assert goals[f"chain tau (k=5), MT-bench first turns ({hybrid})"]["met"] is False      # 1.9 < 2.0
+    assert [g["met"] for name, g in goals.items() if name.startswith("dynamic-tree")] == [True]
+    assert goals[f"chain tau minus prompt lookup's, humaneval ({hybrid})"]["met"] is True
+    lost = goals["chain tau minus prompt lookup's, humaneval (head)"]
+    assert lost["met"] is False and lost["margin"] == pytest.approx(-0.1)
+    assert goals["chain tau minus prompt lookup's, mtbench (head)"]["margin"] == pytest.approx(0.1)
