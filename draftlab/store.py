@@ -62,10 +62,10 @@ def normalise_layers(layers, num_layers: int) -> list[int]:
     return out
 
 
-def data_hash(dataset) -> str:
-    """A hash of every row's token ids, in order: equal only for the same tokenised data."""
+def data_hash(dataset, rows: range | None = None) -> str:
+    """A hash of every row's token ids (of `rows`, default all), in order: equal only for the same tokenised data."""
     h = hashlib.sha256()
-    for i in range(len(dataset)):
+    for i in rows if rows is not None else range(len(dataset)):
         ids = np.asarray(dataset[i]["input_ids"], dtype=np.int64)
         h.update(len(ids).to_bytes(8, "little"))
         h.update(ids.tobytes())
@@ -190,6 +190,68 @@ def build_store(path, target, tokenizer, dataset, feature_layers, topk_logits: i
         lock.release()
     return open_store(path, target, tokenizer=tokenizer, dataset=dataset, feature_layers=feature_layers,
                       topk_logits=topk_logits)
+
+
+def join_stores(path, parts, dataset) -> dict:
+    """Write the store of `dataset` at `path` from finished stores of its consecutive parts (`parts`: store folders
+    in the order their rows appear in `dataset`), without running the target: the new manifest lists the parts'
+    shards end to end, and each shard is a hard link to the part's file (a copy across file systems). So a data set
+    that grows by new conversations needs features only for the new ones. Each part must hold exactly its rows of
+    `dataset` (checked by hash) and all parts the same target, layers, dtype and top-k. Returns the manifest;
+    refuses an existing `path` (nothing is overwritten)."""
+    path = Path(path)
+    if path.exists():
+        raise StoreError(f"{path} already exists: choose a new folder for the joined store (nothing was overwritten)")
+    if not parts:
+        raise StoreError("join_stores: give at least one store to join")
+    manifests, start = [], 0
+    for part in map(Path, parts):
+        m = _read_manifest(part)
+        if m is None or not m.get("complete"):
+            raise StoreError(f"{part} is not a finished feature store ({MANIFEST} missing or the build unfinished): "
+                             "finish it with data_prep/dump_features.py first")
+        first = manifests[0][1] if manifests else m
+        for key in ("format", "target", "layers", "hidden_size", "dtype", "topk_logits", "bytes_per_token"):
+            if m.get(key) != first.get(key):
+                raise StoreError(f"{part} has {key}={m.get(key)} but {manifests[0][0]} has {first.get(key)}: "
+                                 "only stores of the same target, layers, dtype and top-k can be joined")
+        rows = range(start, start + m["rows"])
+        if rows.stop > len(dataset) or data_hash(dataset, rows) != m["data_hash"]:
+            raise StoreError(f"{part} holds {m['rows']} rows that are not rows {rows.start}..{rows.stop - 1} of the "
+                             f"joined data ({len(dataset)} rows): give the stores in the order of their data, with "
+                             "the same data.max_length")
+        for shard in m["shards"]:
+            if not _shard_intact(part, shard):
+                raise StoreError(f"shard {part / shard['file']} is missing or truncated: rebuild that store")
+        manifests.append((part, m))
+        start = rows.stop
+    if start != len(dataset):
+        raise StoreError(f"the stores hold {start} rows but the joined data has {len(dataset)}: every row needs "
+                         "a store")
+    first = manifests[0][1]
+    joined = {**{k: first[k] for k in ("format", "target", "layers", "hidden_size", "dtype", "topk_logits",
+                                       "bytes_per_token", "shard_tokens")},
+              "rows": len(dataset), "tokens": sum(m["tokens"] for _, m in manifests),
+              "data_hash": data_hash(dataset), "shards": [], "complete": False,
+              "joined_from": [{"path": str(part.resolve()), "rows": m["rows"], "data_hash": m["data_hash"]}
+                              for part, m in manifests]}
+    path.mkdir(parents=True)
+    offset = 0
+    for part, m in manifests:
+        for shard in m["shards"]:
+            file = f"shard_{len(joined['shards']):05d}.safetensors"
+            try:
+                os.link(part / shard["file"], path / file)
+            except OSError:
+                import shutil
+
+                shutil.copyfile(part / shard["file"], path / file)
+            joined["shards"].append({**shard, "file": file,
+                                     "rows": [shard["rows"][0] + offset, shard["rows"][1] + offset]})
+        offset += m["rows"]
+    joined["complete"] = True
+    _write_json(path / MANIFEST, joined)
+    return joined
 
 
 def store_lock(path: Path) -> FolderLock:

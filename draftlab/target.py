@@ -255,28 +255,51 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def _local_source(path: str) -> str:
+    """A target spec as transformers loads it: a folder (a .gguf file is converted once) or a Hub id."""
+    source = resolve_target_path(path)
+    return convert_gguf(source) if source.lower().endswith(".gguf") else source
+
+
+def _load_fails(source: str, e: Exception) -> TargetError:
+    where = source if os.path.isdir(source) else f"Hub id {source}"
+    fix = ("the folder must hold config.json, weights and tokenizer files" if os.path.isdir(source) else
+           "it is not a local path; Hub models must be reachable or already in the HF cache")
+    return TargetError(f"cannot load target from {where} ({type(e).__name__}: {_first_line(e)}): {fix}")
+
+
+def load_tokenizer(path: str):
+    """The target's tokenizer alone (with a pad token, the EOS token when the model defines none), for work that
+    needs token ids but not the model."""
+    return _tokenizer(_local_source(path))
+
+
+def _tokenizer(source: str):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as e:
+        raise _load_fails(source, e) from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_target(path: str, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"):
     """Load the target as a frozen, eval-mode causal LM and its tokenizer: `(model, tokenizer)`.
 
     The tokenizer always has a pad token (the EOS token when the model defines none), since batching needs one.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    source = resolve_target_path(path)
-    if source.lower().endswith(".gguf"):
-        source = convert_gguf(source)
+    source = _local_source(path)
+    tokenizer = _tokenizer(source)
     dev = pick_device(device)
-    torch_dtype = pick_dtype(dtype, dev)
-    where = source if os.path.isdir(source) else f"Hub id {source}"
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=pick_dtype(dtype, dev))
     except Exception as e:
-        fix = ("the folder must hold config.json, weights and tokenizer files" if os.path.isdir(source) else
-               "it is not a local path; Hub models must be reachable or already in the HF cache")
-        raise TargetError(f"cannot load target from {where} ({type(e).__name__}: {_first_line(e)}): {fix}") from None
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
+        raise _load_fails(source, e) from None
     model.to(dev).eval().requires_grad_(False)
     return model, tokenizer
 

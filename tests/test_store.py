@@ -228,3 +228,58 @@ def test_offline_recipe_builds_its_store_beside_the_data(tiny_target_dir, tiny_c
     manifest = json.loads((tmp_path / "chat.jsonl.store" / "manifest.json").read_text())
     assert manifest["complete"] and manifest["layers"] == [2]
     assert json.loads((out / "step_2" / "eval.json").read_text())["lossless"] is True
+
+
+def test_joined_stores_read_as_the_store_of_the_joined_data(tiny_target, tiny_target_dir, tiny_chat_file, built,
+                                                            dataset, tmp_path, capsys):
+    """Stores of two halves, joined, give the same rows as the store built over the whole data; joining refuses
+    parts out of order, another layout, and an existing output, and the script writes the joined data too."""
+    import importlib.util
+
+    model, tok = tiny_target
+    conversations, _ = read_conversations(tiny_chat_file)
+    halves = [conversations[:10], conversations[10:24]]
+    parts = []
+    for i, half in enumerate(halves):
+        part = ChatDataset(half, tok, 160)
+        path = tmp_path / f"part{i}"
+        build_store(path, model, tok, part, LAYERS, topk_logits=5, dtype=torch.float32, batch_size=5,
+                    shard_tokens=200, progress=False)
+        parts.append(path)
+    joined = store_mod.join_stores(tmp_path / "joined", parts, dataset)
+    assert joined["rows"] == len(dataset) and joined["data_hash"] == json.loads(
+        (built[0] / "manifest.json").read_text())["data_hash"]
+    store = open_store(tmp_path / "joined", model, tokenizer=tok, dataset=dataset, topk_logits=5, verify_all=True)
+    rows, T = [9, 10, 0, 23], max(dataset.lengths)           # both sides of the seam
+    whole, got = built[1].batch(rows, T), store.batch(rows, T)
+    assert got.keys() == whole.keys()
+    for key in whole:
+        torch.testing.assert_close(got[key], whole[key])
+
+    with pytest.raises(StoreError, match="not rows 0..13"):
+        store_mod.join_stores(tmp_path / "swapped", parts[::-1], dataset)
+    with pytest.raises(StoreError, match="already exists"):
+        store_mod.join_stores(tmp_path / "joined", parts, dataset)
+    other = tmp_path / "other_layers"
+    build_store(other, model, tok, ChatDataset(halves[1], tok, 160), (-1,), dtype=torch.float32, progress=False)
+    with pytest.raises(StoreError, match="layers"):
+        store_mod.join_stores(tmp_path / "mixed", [parts[0], other], dataset)
+    assert not (tmp_path / "swapped").exists() and not (tmp_path / "mixed").exists()
+
+    script = Path(__file__).resolve().parents[1] / "data_prep" / "join_stores.py"
+    spec = importlib.util.spec_from_file_location("join_stores", script)
+    join = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(join)
+    files = []
+    for i, half in enumerate(halves):
+        files.append(tmp_path / f"part{i}.jsonl")
+        files[-1].write_text("".join(json.dumps({"messages": m}) + "\n" for m in half))
+    args = ["--target", tiny_target_dir, "--max-length", "160", "--part", str(files[0]), str(parts[0]),
+            "--part", str(files[1]), str(parts[1]), "--out-data", str(tmp_path / "all.jsonl"),
+            "--out", str(tmp_path / "all.store")]
+    assert join.main(args) == 0
+    again, _ = read_conversations(str(tmp_path / "all.jsonl"))
+    open_store(tmp_path / "all.store", model, tokenizer=tok, dataset=ChatDataset(again, tok, 160))
+    capsys.readouterr()
+    assert join.main(args) == 2                              # outputs exist: one line, nothing overwritten
+    assert "already exists" in capsys.readouterr().err
