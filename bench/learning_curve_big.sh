@@ -3,6 +3,9 @@
 #
 #   MIX=today bash bench/learning_curve_big.sh      # the 12,501 training prompts (docstrings, quotations, word tasks)
 #   MIX=chat  bash bench/learning_curve_big.sh      # chat-like prompts the target writes itself (Magpie-style)
+#   MIX=today_chat STAGES="data store train eval report" bash bench/learning_curve_big.sh
+#                                                   # both mixes end to end (answer each mix first): the store
+#                                                   # joins the two mixes' stores (data_prep/join_stores.py)
 #
 # Stages (STAGES, default all; every stage skips or resumes finished work, so a rerun continues):
 #   answers  the target's greedy answers by llama.cpp (bf16 copy of the GGUF, 32 sequences at a time);
@@ -60,13 +63,16 @@ case $MIX in
          SNAPSHOT=data_prep/answers/train_answers_bf16.jsonl.gz ;;
   chat)  PROMPTS=data_prep/prompts/chat_synth.jsonl.gz; ANSWERS=data/chat_answers_bf16.jsonl
          SNAPSHOT=data_prep/answers/chat_answers_bf16.jsonl.gz ;;
-  *) echo "MIX=$MIX: use today or chat" >&2; exit 2 ;;
+  today_chat) [ -z "$SAMPLE" ] || { echo "MIX=today_chat joins the whole mixes: unset SAMPLE" >&2; exit 2; } ;;
+  *) echo "MIX=$MIX: use today, chat or today_chat" >&2; exit 2 ;;
 esac
 RUN=$MIX${SAMPLE:+_n$SAMPLE}
 DATA=data/lc_$RUN.jsonl
 STORE=data/lc_$RUN.store
 
-if has answers; then
+if has answers && [ "$MIX" = today_chat ]; then
+  log "MIX=today_chat answers nothing: run MIX=today and MIX=chat with STAGES=answers first"
+elif has answers; then
   if [ "$MIX" = chat ]; then
     # a shipped snapshot of the synthesised rows starts the raw file (finished ids are skipped)
     [ -f data/chat_synth_raw.jsonl ] || { [ -f data_prep/prompts/chat_synth_raw.jsonl.gz ] &&
@@ -83,11 +89,24 @@ if has answers; then
     --max-new-tokens 256 --target "$TARGET" --prompts "$PROMPTS" --out "$ANSWERS" --no-progress
 fi
 
-if has data; then
+if [ "$MIX" = today_chat ]; then
+  # each mix's data and store as MIX=today / MIX=chat make them (kept, so those runs reuse them), then joined
+  if has data; then
+    [ -f data/lc_today.jsonl ] || MIX=today STAGES=data bash "$0"
+    [ -f data/lc_chat.jsonl ] || MIX=chat STAGES=data bash "$0"
+  fi
+  if has store; then
+    MIX=today STAGES=store bash "$0"
+    MIX=chat STAGES=store bash "$0"
+    [ -d "$STORE" ] || python data_prep/join_stores.py --target "$TARGET" --max-length $MAXLEN \
+      --part data/lc_today.jsonl data/lc_today.store --part data/lc_chat.jsonl data/lc_chat.store \
+      --out-data "$DATA" --out "$STORE"
+  fi
+elif has data; then
   python bench/learning_curve.py data --data "$ANSWERS" --out "$DATA" ${SAMPLE:+--sample $SAMPLE}
 fi
 
-if has store; then
+if has store && [ "$MIX" != today_chat ]; then
   log "feature store $STORE (bf16 target, bf16 features)"
   timed store "data/lc_$RUN.timing.jsonl" python data_prep/dump_features.py --target "$TARGET" --data "$DATA" --out "$STORE" --layers 2,15,27,-1 \
     --max-length $MAXLEN --dtype bfloat16 --store-dtype bfloat16 --batch-size 8 --no-progress
