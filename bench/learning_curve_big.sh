@@ -4,8 +4,8 @@
 #   MIX=today bash bench/learning_curve_big.sh      # the 12,501 training prompts (docstrings, quotations, word tasks)
 #   MIX=chat  bash bench/learning_curve_big.sh      # chat-like prompts the target writes itself (Magpie-style)
 #   MIX=today_chat STAGES="data store train eval report" bash bench/learning_curve_big.sh
-#                                                   # both mixes end to end (answer each mix first): the store
-#                                                   # joins the two mixes' stores (data_prep/join_stores.py)
+#                                                   # both mixes end to end (their answers, or the shipped
+#                                                   # snapshots): the two mixes' stores joined (join_stores.py)
 #
 # Stages (STAGES, default all; every stage skips or resumes finished work, so a rerun continues):
 #   answers  the target's greedy answers by llama.cpp (bf16 copy of the GGUF, 32 sequences at a time);
@@ -103,7 +103,9 @@ if [ "$MIX" = today_chat ]; then
       --out-data "$DATA" --out "$STORE"
   fi
 elif has data; then
-  python bench/learning_curve.py data --data "$ANSWERS" --out "$DATA" ${SAMPLE:+--sample $SAMPLE}
+  # without an answers stage run here, the shipped snapshot is the answers
+  src=$ANSWERS; [ -f "$src" ] || src=$SNAPSHOT
+  python bench/learning_curve.py data --data "$src" --out "$DATA" ${SAMPLE:+--sample $SAMPLE}
 fi
 
 if has store && [ "$MIX" != today_chat ]; then
