@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 from collections import OrderedDict
 from pathlib import Path
 
@@ -242,9 +243,7 @@ def join_stores(path, parts, dataset) -> dict:
             file = f"shard_{len(joined['shards']):05d}.safetensors"
             try:
                 os.link(part / shard["file"], path / file)
-            except OSError:
-                import shutil
-
+            except OSError:                               # another file system: a copy
                 shutil.copyfile(part / shard["file"], path / file)
             joined["shards"].append({**shard, "file": file,
                                      "rows": [shard["rows"][0] + offset, shard["rows"][1] + offset]})
