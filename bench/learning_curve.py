@@ -25,6 +25,9 @@ can be compared at the same size and schedule.
 `report` adds the training top-1 agreement (the loss's `acc` / `acc_0` metric, averaged over the log rows
 before each checkpoint) and writes the table and the plot. Every stage caches its results under
 bench/results/cache/learning_curve/, so a rerun skips finished work, and `train` resumes an interrupted run.
+That cache is local: `report` rescores the runs it finds there and keeps, unchanged, the rows of the earlier report
+(--out) for every other run (their labels are listed under `carried_labels`), so a report on a fresh machine adds to
+the table instead of emptying it.
 """
 from __future__ import annotations
 
@@ -210,7 +213,8 @@ def _train_curve(label: str) -> tuple[list[dict], dict]:
 
 
 def cmd_report(args) -> None:
-    labels = sorted(p.name for p in (CACHE / "runs").iterdir() if p.is_dir()) if not args.labels else args.labels
+    runs = CACHE / "runs"
+    labels = args.labels or (sorted(p.name for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else [])
     points = []
     for label in labels:
         curve, info = _train_curve(label)
@@ -237,8 +241,11 @@ def cmd_report(args) -> None:
             points.append(row)
     out = ROOT / args.out if args.out else OUT
     out.parent.mkdir(parents=True, exist_ok=True)
+    carried = carried_points(out.with_suffix(".json"), scored=set(labels))
+    points = sorted(carried + points, key=lambda p: (p["label"], p["step"]))
     header = {"command": " ".join(sys.argv), "target": TARGET, "prompt_sets": SETS, "num_prompts": args.num_prompts,
-              "max_new_tokens": args.max_new_tokens, "shapes": SHAPES}
+              "max_new_tokens": args.max_new_tokens, "shapes": SHAPES,
+              "carried_labels": sorted({p["label"] for p in carried})}
     out.with_suffix(".json").write_text(json.dumps({"header": header, "points": points}, indent=2) + "\n")
     cols = [f"tau_{n}_{s}" for n in SETS for s in SHAPES]
     lines = ["| run | step | epoch | conversations | conversations seen | tokens seen | train s | train top-1 | "
@@ -253,6 +260,14 @@ def cmd_report(args) -> None:
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     _plot(points, cols, out.with_suffix(".png"))
     print("\n".join(lines))
+
+
+def carried_points(previous: Path, scored: set[str]) -> list[dict]:
+    """The rows of an earlier report whose runs are not scored now: their checkpoints live in the local cache, which
+    a fresh machine lacks, so a report on it keeps the earlier figures of every other run instead of dropping them."""
+    if not previous.is_file():
+        return []
+    return [p for p in json.loads(previous.read_text())["points"] if p["label"] not in scored]
 
 
 def _f(x) -> str:

@@ -108,3 +108,34 @@ def test_goals_score_the_head_alone_beside_the_hybrid_against_prompt_lookup(benc
     lost = goals["chain tau minus prompt lookup's, humaneval (head)"]
     assert lost["met"] is False and lost["margin"] == pytest.approx(-0.1)
     assert goals["chain tau minus prompt lookup's, mtbench (head)"]["margin"] == pytest.approx(0.1)
+
+
+def test_report_keeps_the_rows_of_runs_scored_on_another_machine(lc, tmp_path, monkeypatch):
+    """A report written where only one run's checkpoints exist rescores that run and keeps every other run's rows."""
+    from draftlab.checkpoint import CONFIG_NAME
+
+    monkeypatch.setattr(lc, "CACHE", tmp_path / "cache")
+    previous = tmp_path / "report"
+    old = [{"label": label, "step": step, "epoch": 1.0, "conversations": 10, "conversations_seen": 10,
+            "train_tokens_seen": 100.0, "train_seconds": 1.0, "train_top1_agreement": 0.5, "tau_mtbench_chain": tau}
+           for label, step, tau in [("earlier", 5, 1.5), ("earlier", 10, 1.7), ("fresh", 4, 9.0)]]
+    previous.with_suffix(".json").write_text(json.dumps({"header": {}, "points": old}))
+
+    fresh = lc.run_dir("fresh")
+    step = fresh / "step_4"
+    step.mkdir(parents=True)
+    (step / CONFIG_NAME).write_text("{}")
+    (step / "lc_mtbench_chain_80_96.json").write_text(json.dumps(
+        {"acceptance_length": 1.25, "per_position_acceptance": [0.25], "lossless": True}))
+    (fresh / "metrics.jsonl").write_text(json.dumps({"step": 4, "loss": 1.0, "acc": 0.4, "train_tokens": 64}) + "\n")
+    (fresh / "bench_train.json").write_text(json.dumps({"recipe": "eagle_head", "steps": 4, "epochs": 1, "rows": 8}))
+
+    lc.main(["report", "--out", str(previous), "--labels", "fresh", "--num-prompts", "80",
+             "--max-new-tokens", "96"])
+    written = json.loads(previous.with_suffix(".json").read_text())
+    rows = {(p["label"], p["step"]): p for p in written["points"]}
+    assert set(rows) == {("earlier", 5), ("earlier", 10), ("fresh", 4)}
+    assert rows[("earlier", 10)] == old[1]                 # carried unchanged
+    assert rows[("fresh", 4)]["tau_mtbench_chain"] == 1.25  # rescored, the stale row replaced
+    assert written["header"]["carried_labels"] == ["earlier"]
+    assert "| earlier | 10 |" in previous.with_suffix(".md").read_text()
