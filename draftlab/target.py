@@ -7,6 +7,7 @@ afterwards: transformers reads GGUF slowly (tens of seconds) but a safetensors f
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -243,16 +244,48 @@ def pick_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """auto = bf16 on a GPU that supports it, fp32 otherwise."""
+    """auto = bf16 on a GPU that supports it, fp32 otherwise. bf16 asked for on a CPU without bf16 instructions
+    is honoured with a warning (it runs, but far slower than fp32)."""
     if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
-    if dtype not in DTYPES:
+        picked = dtype
+    elif dtype == "auto":
+        picked = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    elif dtype not in DTYPES:
         raise TargetError(f"unknown target dtype '{dtype}': use auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    else:
+        picked = DTYPES[dtype]
+    if picked == torch.bfloat16 and device.type == "cpu":
+        warn_slow_cpu_bf16("the target runs", "load it in float32 (target.dtype=float32, --dtype float32)")
+    return picked
+
+
+def cpu_bf16_flags(cpuinfo: str) -> bool:
+    """Whether a /proc/cpuinfo text lists bf16 matrix instructions: AVX512-BF16 or AMX on x86, BF16 on ARM."""
+    flags = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+@functools.cache
+def cpu_computes_bf16() -> bool | None:
+    """Whether this CPU has bf16 matrix instructions (None where /proc/cpuinfo is missing). Without them PyTorch
+    runs bf16 matmuls on a generic path: 1.2 GFLOP/s against 171 GFLOP/s in fp32 on a 2-core AVX2 EPYC (a
+    4096x576 by 576x1536 product), so bf16 costs time there instead of saving it."""
+    try:
+        return cpu_bf16_flags(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return None
+
+
+@functools.cache  # once per process and message
+def warn_slow_cpu_bf16(what: str, fix: str) -> None:
+    """One stderr line when `what` is about to compute in bf16 on a CPU known to lack bf16 instructions."""
+    if cpu_computes_bf16() is False:
+        print(f"draftlab: warning: {what} in bf16 on a CPU without bf16 instructions (AVX512-BF16, AMX or ARM "
+              f"BF16), where bf16 matrix products run far slower than float32: {fix}", file=sys.stderr, flush=True)
 
 
 def _local_source(path: str) -> str:

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from conftest import build_tiny_llama, build_tokenizer
-from draftlab.target import (TargetError, check_fingerprint, convert_gguf, gguf_cache_dir, load_target, pick_dtype,
-                             resolve_target_path, target_features, target_fingerprint)
+import draftlab.target
+from draftlab.target import (TargetError, check_fingerprint, convert_gguf, cpu_bf16_flags, gguf_cache_dir, load_target,
+                             pick_dtype, resolve_target_path, target_features, target_fingerprint)
 
 
 def write_tiny_gguf(model, tokenizer, path) -> None:
@@ -83,6 +84,30 @@ def test_load_target_dtype_choice(tiny_target_dir):
     assert pick_dtype("auto", torch.device("cpu")) == torch.float32
     with pytest.raises(TargetError, match="unknown target dtype"):
         pick_dtype("int3", torch.device("cpu"))
+
+
+def test_cpu_bf16_flags_read_from_cpuinfo():
+    assert not cpu_bf16_flags("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n")      # an AVX2-only x86
+    assert cpu_bf16_flags("flags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert cpu_bf16_flags("flags\t\t: fpu avx512f amx_tile amx_bf16 amx_int8\n")
+    assert cpu_bf16_flags("Features\t: fp asimd sve bf16 i8mm\n")                        # an ARM core
+    assert not cpu_bf16_flags("Features\t: fp asimd\nmodel name\t: bf16 in a name\n")   # only the flag lines count
+
+
+@pytest.mark.parametrize("has_bf16", [False, True, None])
+def test_bf16_on_a_cpu_without_bf16_instructions_warns_once(monkeypatch, capsys, has_bf16):
+    monkeypatch.setattr(draftlab.target, "cpu_computes_bf16", lambda: has_bf16)
+    draftlab.target.warn_slow_cpu_bf16.cache_clear()
+    cpu = torch.device("cpu")
+    assert pick_dtype("float32", cpu) == torch.float32 and pick_dtype("auto", cpu) == torch.float32
+    assert capsys.readouterr().err == ""                                  # fp32 never warns
+    assert pick_dtype("bfloat16", cpu) == torch.bfloat16 and pick_dtype("bf16", cpu) == torch.bfloat16
+    err = capsys.readouterr().err
+    if has_bf16 is False:                                                 # honoured, one line naming the fix
+        assert err.count("\n") == 1 and "without bf16 instructions" in err and "float32" in err
+    else:                                                                 # bf16 hardware, or unknown: silent
+        assert err == ""
+    draftlab.target.warn_slow_cpu_bf16.cache_clear()
 
 
 def test_missing_path_gives_one_clear_error(tmp_path):
@@ -285,3 +310,23 @@ def test_a_folder_converted_by_an_older_draftlab_is_brought_up_to_date(tmp_path,
     assert set(index["weight_map"].values()) == {"model.safetensors"}
     assert "model.embed_tokens.weight" in index["weight_map"]
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]
+
+
+def test_bf16_autocast_on_a_cpu_without_bf16_instructions_warns(monkeypatch, capsys, tmp_path):
+    from accelerate.state import AcceleratorState
+
+    from draftlab.config import load_config
+    from draftlab.runtime import make_accelerator
+
+    monkeypatch.setattr(draftlab.target, "cpu_computes_bf16", lambda: False)
+    draftlab.target.warn_slow_cpu_bf16.cache_clear()
+    base = ["recipe=eagle_head", "target.path=t", "data.train=d.jsonl", "eval.every=0"]
+    try:
+        for mixed in ("no", "bf16"):
+            AcceleratorState._reset_state(reset_partial_state=True)   # accelerate keeps one precision per process
+            make_accelerator(load_config(base + [f"train.mixed_precision={mixed}"]), tmp_path)
+            err = capsys.readouterr().err
+            assert ("train.mixed_precision=no" in err) == (mixed == "bf16")
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        draftlab.target.warn_slow_cpu_bf16.cache_clear()
