@@ -27,14 +27,12 @@ DTYPES = ("float32", "bfloat16")
 
 
 def cpu_flags() -> dict:
-    flags = set()
+    from draftlab.target import cpu_flags as listed_flags
+
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
+        flags = listed_flags(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
+        flags = set()
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
     return {"model": model, "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,

@@ -259,14 +259,19 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     return picked
 
 
-def cpu_bf16_flags(cpuinfo: str) -> bool:
-    """Whether a /proc/cpuinfo text lists bf16 matrix instructions: AVX512-BF16 or AMX on x86, BF16 on ARM."""
+def cpu_flags(cpuinfo: str) -> set[str]:
+    """The instruction-set flags a /proc/cpuinfo text lists (x86 `flags`, ARM `Features` lines)."""
     flags = set()
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
             flags.update(value.split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return flags
+
+
+def cpu_bf16_flags(cpuinfo: str) -> bool:
+    """Whether a /proc/cpuinfo text lists bf16 matrix instructions: AVX512-BF16 or AMX on x86, BF16 on ARM."""
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 @functools.cache
