@@ -30,11 +30,12 @@ def cpu_flags() -> dict:
     from draftlab.target import cpu_flags as listed_flags
 
     try:
-        flags = listed_flags(Path("/proc/cpuinfo").read_text())
+        cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
-        flags = set()
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+        cpuinfo = ""
+    flags = listed_flags(cpuinfo)
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")),
+                 platform.processor()) if cpuinfo else ""
     return {"model": model, "amx_bf16": "amx_bf16" in flags, "avx512_bf16": "avx512_bf16" in flags,
             "avx2": "avx2" in flags}
 
