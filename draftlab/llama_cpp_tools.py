@@ -1,0 +1,193 @@
+"""llama.cpp's serving tools, built once from the source that the pinned llama-cpp-python vendors.
+
+draftlab's `engine` extra pins `llama-cpp-python==0.3.36`; its sdist carries a llama.cpp tree whose `llama-server` and
+`llama-speculative-simple` serve speculative decoding with EAGLE-3 heads (`--spec-type draft-eagle3`), small draft
+models (`draft-simple`) and n-gram methods, and whose `convert_hf_to_gguf.py` turns draftlab's exports into GGUF files.
+This module fetches that sdist from the package registry (`pip download`), unpacks its llama.cpp tree and builds the
+tools with cmake, all under one cache folder per version and CPU:
+
+    ~/.cache/draftlab/llama.cpp/<version>-<cpu key>/
+        src/            llama.cpp as vendored in the sdist (convert_hf_to_gguf.py, gguf-py/)
+        build/bin/      llama-server, llama-speculative-simple, llama-bench and their shared libraries
+        complete.json   written last: the tools are there (what find_tools() checks)
+
+The CPU key hashes /proc/cpuinfo's flags, because `GGML_NATIVE=ON` compiles for this CPU's instruction set. A build
+that stops half-way resumes where it stopped (cmake and ninja only redo what is missing); a finished one returns at
+once. `DRAFTLAB_LLAMA_CPP_CACHE` moves the cache root.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+from draftlab.errors import HubError
+
+VERSION = "0.3.36"  # the llama-cpp-python release of pyproject.toml's `engine` extra
+TOOLS = ("llama-server", "llama-speculative-simple", "llama-bench")
+CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON")
+
+
+class EngineError(HubError):
+    """llama.cpp's tools cannot be built or found; the message is one line that says what to install or run."""
+
+
+def cpu_key() -> str:
+    """`<machine>-<10 hex digits of the CPU's flags>`: a native build runs only where these flags are."""
+    try:
+        from draftlab.target import cpu_flags
+
+        flags = sorted(cpu_flags(Path("/proc/cpuinfo").read_text()))
+    except OSError:
+        flags = [platform.processor()]
+    return f"{platform.machine()}-{hashlib.sha1(' '.join(flags).encode()).hexdigest()[:10]}"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DRAFTLAB_LLAMA_CPP_CACHE") or Path.home() / ".cache" / "draftlab" / "llama.cpp")
+
+
+def cache_dir(version: str = VERSION) -> Path:
+    return cache_root() / f"{version}-{cpu_key()}"
+
+
+def find_tools(version: str = VERSION) -> dict[str, Path] | None:
+    """The built tools by name (plus "src", the llama.cpp tree), or None when `draftlab engine build` has not
+    finished here."""
+    root = cache_dir(version)
+    if not (root / "complete.json").exists():
+        return None
+    tools = {name: root / "build" / "bin" / name for name in TOOLS}
+    if not all(p.exists() for p in tools.values()):
+        return None
+    return {**tools, "src": root / "src"}
+
+
+def source(version: str = VERSION, log=print) -> Path:
+    """The llama.cpp tree of llama-cpp-python `version`'s sdist (downloaded and unpacked once): the converter
+    needs only this, not the built tools."""
+    root = cache_dir(version)
+    src = root / "src"
+    if (src / "convert_hf_to_gguf.py").exists():
+        return src
+    root.mkdir(parents=True, exist_ok=True)
+    downloads = root / "downloads"
+    sdist = next(iter(sorted(downloads.glob(f"llama_cpp_python-{version}.tar.gz"))), None)
+    if sdist is None:
+        log(f"downloading the llama-cpp-python {version} sdist (about 75 MB) from the package registry ...")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               f"llama-cpp-python=={version}", "-d", str(downloads)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        sdist = downloads / f"llama_cpp_python-{version}.tar.gz"
+        if done.returncode != 0 or not sdist.exists():
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            raise EngineError(f"could not download the llama-cpp-python {version} sdist with pip ({last}); "
+                              f"put llama_cpp_python-{version}.tar.gz in {downloads} and run again")
+    prefix = f"llama_cpp_python-{version}/vendor/llama.cpp/"
+    partial = root / "src.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    log(f"unpacking llama.cpp from {sdist.name} ...")
+    with tarfile.open(sdist) as tar:
+        members = []
+        for m in tar.getmembers():
+            if not m.name.startswith(prefix) or "/.git" in m.name[len(prefix) - 1:]:
+                continue
+            m.name = m.name[len(prefix):]
+            if m.name:
+                members.append(m)
+        tar.extractall(partial, members=members, filter="data")
+    if not (partial / "convert_hf_to_gguf.py").exists():
+        raise EngineError(f"{sdist} holds no vendor/llama.cpp/convert_hf_to_gguf.py: not the expected sdist")
+    partial.rename(src)
+    return src
+
+
+def missing_build_tools() -> str | None:
+    """One line naming what the build needs and this machine lacks, or None."""
+    if shutil.which("cmake") is None:
+        return "cmake is not installed (apt-get install cmake, or pip install cmake)"
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        return "no C++ compiler found (apt-get install g++, or install clang)"
+    return None
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """One build at a time per cache folder (CI and a test run may start one together)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build(version: str = VERSION, jobs: int = 2, log=print) -> dict[str, Path]:
+    """Build (or finish building) the tools; returns find_tools()'s map. Raises EngineError, one line, when cmake
+    or a compiler is missing or the build fails (the log's path is in the message)."""
+    found = find_tools(version)
+    if found:
+        return found
+    missing = missing_build_tools()
+    if missing:
+        raise EngineError(f"cannot build llama.cpp's tools: {missing}")
+    root = cache_dir(version)
+    with _locked(root / ".build.lock"):
+        found = find_tools(version)  # another process may have finished it while we waited
+        if found:
+            return found
+        src = source(version, log)
+        build_dir = root / "build"
+        log_path = root / "build.log"
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        steps = [["cmake", "-S", str(src), "-B", str(build_dir), *generator, *CMAKE_FLAGS],
+                 ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TOOLS]]
+        log(f"building {', '.join(TOOLS)} from llama.cpp ({version}) in {root}, -j{jobs}; log: {log_path} "
+            "(about 12 minutes of CPU)")
+        start = time.time()
+        with open(log_path, "a") as out:
+            for cmd in steps:
+                out.write("$ " + " ".join(cmd) + "\n")
+                out.flush()
+                if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
+                    raise EngineError(f"building llama.cpp failed at `{' '.join(cmd[:3])} ...`: see {log_path}")
+        (root / "complete.json").write_text(json.dumps(
+            {"llama_cpp_python": version, "cpu_key": cpu_key(), "tools": list(TOOLS), "cmake_flags": list(CMAKE_FLAGS),
+             "seconds": round(time.time() - start, 1)}, indent=1) + "\n")
+    found = find_tools(version)
+    if not found:
+        raise EngineError(f"the llama.cpp build finished but {', '.join(TOOLS)} are not all in {root / 'build/bin'}")
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m draftlab.llama_cpp_tools [build|where]` (the same as `draftlab engine ...`)."""
+    from draftlab.errors import run_guarded
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    what = argv[0] if argv else "build"
+
+    def run():
+        if what == "build":
+            tools = build()
+            print(f"llama.cpp tools ready in {tools['llama-server'].parent}")
+        elif what == "where":
+            tools = find_tools()
+            print(tools["llama-server"].parent if tools else f"not built (would be in {cache_dir()})")
+        else:
+            raise EngineError(f"unknown engine command '{what}': use build or where")
+    return run_guarded(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
