@@ -10,6 +10,7 @@ A folder (or Hub model id) holding a config.json but no draftlab checkpoint is r
 | official EAGLE-3 (SafeAILab/EAGLE, cnets.py) | `draft_vocab_size` or `midlayer.*` | `EagleHead3`, aux [2, L//2, L-3] |
 | official EAGLE-1/2 (SafeAILab/EAGLE, cnets1.py) | `fc.weight` of shape [d, 2d] and `layers.*` | `EagleHead` |
 | Medusa heads (FasterDecoding/Medusa, TGI) | `medusa_num_heads` | `MedusaHeads` |
+| DFlash (z-lab/dflash `DFlashDraftModel`, SGLang, vLLM) | `dflash_config` | `DFlashDrafter` |
 
 Weight names are mapped onto ours and checked strictly (every expected tensor present, nothing left over), the
 embedding a checkpoint carries must be the target's (drafters borrow the target's), and the target defaults to the
@@ -50,7 +51,7 @@ class ForeignDrafter:
 
     def load(self, target) -> torch.nn.Module:
         build = {"speculators": build_speculators, "eagle3": build_official_eagle3, "eagle": build_eagle,
-                 "medusa": build_medusa}[self.kind]
+                 "medusa": build_medusa, "dflash": build_dflash}[self.kind]
         drafter = build(self, target)
         return drafter.to(next(target.parameters()).device).eval()
 
@@ -121,8 +122,8 @@ def weight_shapes(folder: Path) -> dict[str, list[int]]:
 
 
 def detect_format(config: dict, shapes: dict[str, list[int]], folder: Path) -> str:
-    """speculators | eagle3 | eagle | medusa, from config.json (and the weight names when the config is a plain
-    Llama config, as the official EAGLE heads' are)."""
+    """speculators | eagle3 | eagle | medusa | dflash, from config.json (and the weight names when the config is a
+    plain Llama config, as the official EAGLE heads' are)."""
     kind = config.get("speculators_model_type")
     if kind:
         if kind != "eagle3":
@@ -131,13 +132,15 @@ def detect_format(config: dict, shapes: dict[str, list[int]], folder: Path) -> s
         return "speculators"
     if "medusa_num_heads" in config:
         return "medusa"
+    if "dflash_config" in config or "DFlashDraftModel" in (config.get("architectures") or []):
+        return "dflash"
     if "draft_vocab_size" in config or any(n.startswith("midlayer.") for n in shapes):
         return "eagle3"
     fc = shapes.get("fc.weight", [0, 0])
     if fc[1] == 2 * fc[0] > 0 and any(n.startswith("layers.") for n in shapes):   # FC over [embedding; feature]
         return "eagle"
     raise CheckpointError(f"{folder} is not a drafter draftlab can read: no {CONFIG_NAME} (draftlab), and its "
-                          "config.json is neither speculators EAGLE-3, official EAGLE-1/2/3 nor Medusa heads")
+                          "config.json is neither speculators EAGLE-3, official EAGLE-1/2/3, Medusa heads nor DFlash")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -304,3 +307,42 @@ def build_medusa(src: ForeignDrafter, target) -> torch.nn.Module:
     for k in range(heads):
         mapped.setdefault(f"heads.{k}.{layers}.weight", lm_head)
     return load_strict(drafter, mapped, where)
+
+
+def build_dflash(src: ForeignDrafter, target) -> torch.nn.Module:
+    """DFlash as z-lab/dflash releases it (`DFlashDraftModel`, Qwen3 layers): config.json's dflash_config
+    {block_size, mask_token_id, target_layer_ids} (block_size also at the top level), weights fc, hidden_norm,
+    layers.{i}.* with q/k norms, norm; the embedding and LM head are the target's. DFlash-2 drafters (convolutions,
+    a candidate selector), sliding-window layers and drafters with their own LM head or mask embedding are refused."""
+    from draftlab.drafters.dflash import SHAPE_KEYS, DFlashDrafter
+
+    config, where = src.config, src.folder
+    own = config.get("dflash_config") or {}
+    if "DFlash2DraftModel" in (config.get("architectures") or []) or "conv_kernel_size" in own:
+        raise CheckpointError(f"{where} is a DFlash-2 drafter (convolutions and a candidate selector): draftlab "
+                              "imports DFlash (DFlashDraftModel) drafters only")
+    if config.get("use_sliding_window") or own.get("use_swa"):
+        raise CheckpointError(f"{where} uses sliding-window attention, which draftlab's DFlash drafter lacks")
+    if (where / "mask_embedding.pt").is_file():
+        raise CheckpointError(f"{where} carries its own mask embedding (mask_embedding.pt), which draftlab's DFlash "
+                              "drafter does not have: it uses the target's embedding of the mask token")
+    check_target(where, target, config.get("hidden_size"), config.get("vocab_size"))
+    text = target.config.get_text_config()
+    layer_ids = own.get("target_layer_ids", config.get("target_layer_ids"))
+    mask_id = own.get("mask_token_id", config.get("mask_token_id"))
+    if not layer_ids or mask_id is None:
+        raise CheckpointError(f"{where}: its dflash_config lacks target_layer_ids or mask_token_id")
+    weights = src.weights()
+    check_embedding(weights, target, where)
+    head = weights.pop("lm_head.weight", None)
+    if head is not None and not torch.equal(head.float(), target.get_output_embeddings().weight.detach().float().cpu()):
+        raise CheckpointError(f"{where} has its own lm_head.weight, not the target's: draftlab's DFlash drafter drafts "
+                              "with the target's LM head")
+    shape = {k: config[k] for k in SHAPE_KEYS if k in config and config[k] != getattr(text, k, None)}
+    try:
+        drafter = DFlashDrafter(target, num_layers=int(config.get("num_hidden_layers", 1)),
+                                block_size=int(own.get("block_size", config.get("block_size", 16))),
+                                target_layers=list(layer_ids), mask_token_id=int(mask_id), layer_shape=shape)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    return load_strict(drafter, weights, where)

@@ -11,7 +11,7 @@ Conventions shared by all functions here:
 
 References (formulas in ../shared/reference/method_specs.md): EAGLE-1 regression and soft-target CE (2.1),
 HASS top-K term (2.4), hard cross-entropy (Medusa heads, 3), distillation divergences (4.1), SpecDec++
-acceptance labels and class-weighted BCE (5).
+acceptance labels and class-weighted BCE (5); DFlash's decayed block cross-entropy (arXiv 2602.06036).
 """
 from __future__ import annotations
 
@@ -194,6 +194,24 @@ def sparse_teacher_probs(topk_ids: Tensor, topk_logprobs: Tensor, tail_mass: Ten
     probs = (tail.clamp(min=0.0) / others).unsqueeze(-1).expand(*top.shape[:-1], vocab).clone()
     probs.scatter_(-1, topk_ids.long(), top)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def block_cross_entropy(logits: Tensor, labels: Tensor, mask: Tensor, offsets: Tensor, gamma: float) -> Tensor:
+    """DFlash's block-wise cross-entropy with positional decay (Chen et al. 2026, arXiv 2602.06036).
+
+    Each prediction sits at 1-based position k = offsets inside its block (k = 1 is the first token after the
+    anchor) and is weighted w_k = exp(-(k - 1) / gamma), so the early positions, on which every later acceptance
+    depends, count most; gamma <= 0 turns the decay off (w = 1).
+    Per position: w_k * -log softmax(logits)[label]. logits [..., V]; labels, mask, offsets [...]. Returns a scalar:
+    the weighted sum over valid positions divided by their number (not by the sum of the weights, as SpecForge
+    does: the two differ by a factor set by how many valid positions each rank has).
+    """
+    logp = _log_softmax(logits)
+    nll = -logp.gather(-1, labels.long().clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    weight = torch.ones_like(nll)
+    if gamma > 0:
+        weight = torch.exp(-(offsets.to(nll.dtype) - 1).clamp(min=0) / gamma)
+    return _masked_mean(weight * nll, mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------

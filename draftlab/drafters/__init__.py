@@ -1,6 +1,7 @@
 """Drafter kinds, by the name recipes use in `drafter.kind`: each kind's model class, and its config class (its
 `drafter.*` keys, declared once in the kind's module)."""
 from draftlab.drafters.acceptance import AcceptanceHead
+from draftlab.drafters.dflash import DFlashDrafter
 from draftlab.drafters.eagle import EagleHead
 from draftlab.drafters.eagle3 import EagleHead3
 from draftlab.drafters.gumiho import GumihoHeads
@@ -9,7 +10,7 @@ from draftlab.drafters.medusa2 import Medusa2Lora
 from draftlab.drafters.small_lm import SmallLM
 
 DRAFTERS = {cls.kind: cls for cls in (EagleHead, EagleHead3, GumihoHeads, MedusaHeads, Medusa2Lora, SmallLM,
-                                                 AcceptanceHead)}
+                                                 AcceptanceHead, DFlashDrafter)}
 CONFIGS = {kind: cls.config_class for kind, cls in DRAFTERS.items()}
 
 
