@@ -7,6 +7,7 @@ crash while saving leaves the previous checkpoint intact.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -18,7 +19,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftlab.errors import CheckpointError, DiskFullError, is_disk_full
+from draftlab.errors import (CheckpointError, DiskFullError, disk_full_errno, free_bytes, human_bytes,
+                             is_write_failure)
 
 CONFIG_NAME = "drafter_config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -76,15 +78,36 @@ def save_drafter(drafter: torch.nn.Module, folder: str | Path, extra_files: dict
         if trainer_state is not None:
             torch.save(trainer_state, tmp / STATE_NAME)
         _sync_tree(tmp)
-    except OSError as e:
-        if not is_disk_full(e):
+    except BaseException as e:
+        full, reason = disk_full_errno(e, folder.parent), str(e).splitlines()[0] if str(e) else type(e).__name__
+        if full is None and not is_write_failure(e):
+            shutil.rmtree(staging_folder(folder), ignore_errors=True)  # a crash: nothing half-written stays behind
             raise
-        # a full disk: free what the partial folder took, so that the message's advice (free space) is enough
-        shutil.rmtree(staging_folder(folder), ignore_errors=True)
-        raise DiskFullError(f"no space left on device writing checkpoint {folder} (its partial "
-                            f"{staging_folder(folder).name} was removed)") from None
-    replace_folder(tmp, folder)
-    return folder
+    else:
+        replace_folder(tmp, folder)
+        return folder
+    # a write failed (here, once the exception and the file handles its traceback held are gone): remove the partial
+    # folder, so that on a full disk the message's advice, free some space, is enough; earlier steps were not touched
+    shutil.rmtree(staging_folder(folder), ignore_errors=True)
+    if full is not None:
+        free, size = free_bytes(folder.parent), _newest_step_size(folder)
+        raise DiskFullError(
+            f"{'disk quota exceeded' if full == errno.EDQUOT else 'no space left on device'} writing checkpoint "
+            f"{folder} (its partial {staging_folder(folder).name} was removed; "
+            f"{'?' if free is None else human_bytes(free)} free on that disk now"
+            + (f", a checkpoint of this run takes about {human_bytes(size)}" if size else "") + ")")
+    raise CheckpointError(f"writing checkpoint {folder} failed ({reason}); its partial {staging_folder(folder).name} "
+                          f"was removed and earlier steps are untouched: check that {folder.parent} is writable and "
+                          "its device healthy")
+
+
+def _newest_step_size(folder: Path) -> int:
+    """Bytes of the newest complete step folder beside `folder` (0 when there is none): what one more needs."""
+    try:
+        steps = [p for p in step_folders(folder.parent) if p != folder]
+        return sum(f.stat().st_size for f in steps[-1].rglob("*") if f.is_file()) if steps else 0
+    except OSError:
+        return 0
 
 
 def _sync_tree(folder: Path) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import errno
+import shutil
 import sys
+from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -46,6 +48,55 @@ USER_ERRORS = (ConfigError, CheckpointError, DataError, TargetError, HubError, L
 def is_disk_full(e: BaseException) -> bool:
     """An OSError for a full disk or an exhausted quota, or a DiskFullError raised for one."""
     return isinstance(e, DiskFullError) or (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT))
+
+
+# How torch.save and safetensors report a failed write: neither raises an OSError. torch's zip writer raises
+# RuntimeError('[enforce fail at inline_container.cc:672] . unexpected pos 640 vs 598') or '... PytorchStreamWriter
+# failed writing file data/0: file write failed' (no errno), safetensors SafetensorError('Error while serializing:
+# I/O error: No space left on device (os error 28)').
+_WRITER_FAILURES = ("inline_container", "PytorchStreamWriter", "I/O error")
+_FULL_WORDS = {errno.ENOSPC: ("No space left on device", f"os error {errno.ENOSPC})"),
+               errno.EDQUOT: ("Disk quota exceeded", f"os error {errno.EDQUOT})")}
+NEARLY_FULL = 64 * 2**20  # free bytes below which a write failure that names no cause is taken for a full disk
+
+
+def is_write_failure(e: BaseException) -> bool:
+    """An OSError, or the error torch.save / safetensors' save_file raise when writing fails (see above)."""
+    return isinstance(e, OSError) or (isinstance(e, Exception) and any(w in str(e) for w in _WRITER_FAILURES))
+
+
+def disk_full_errno(e: BaseException, where: str | Path) -> int | None:
+    """ENOSPC or EDQUOT when `e` is a write that failed on a full disk or quota, else None. An OSError carries its
+    errno, safetensors names it in its message; torch's writer says nothing of the cause, so there a device of
+    `where` with (almost) no space left decides (ask before removing what the failed write left)."""
+    if isinstance(e, OSError):
+        return e.errno if e.errno in _FULL_WORDS else None
+    if not is_write_failure(e):
+        return None
+    for number, words in _FULL_WORDS.items():
+        if any(w in str(e) for w in words):
+            return number
+    free = free_bytes(where)
+    return errno.ENOSPC if free is not None and free < NEARLY_FULL else None
+
+
+def free_bytes(where: str | Path) -> int | None:
+    """Bytes this user may still write on the device of `where` (or of its nearest existing parent)."""
+    path = Path(where)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
 
 
 def describe_disk_full(e: BaseException) -> str:
