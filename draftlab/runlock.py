@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from draftlab.errors import LockError
+from draftlab.errors import ConfigError, LockError
 
 try:
     import fcntl
@@ -78,8 +78,13 @@ class FolderLock:
         """Take the lock; while another live process holds it, wait up to `wait` seconds (None: until it is
         released) before raising LockError."""
         deadline = None if wait is None else time.monotonic() + wait
+        self._check_folder()
         self._made_dir = not self.path.parent.exists()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # e.g. a read-only file system, or no permission to create it
+            raise ConfigError(f"{self.what}: cannot create {self.path.parent} ({e.strerror or type(e).__name__}): "
+                              "choose a place you can write to") from None
         while self.fd is None:
             try:
                 fd, created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
@@ -88,6 +93,10 @@ class FolderLock:
                     fd, created = os.open(self.path, os.O_RDWR), False
                 except FileNotFoundError:  # released in between: start over
                     continue
+            except OSError as e:  # e.g. a folder this user cannot write to
+                self._cleanup_dir()
+                raise ConfigError(f"{self.what}: cannot write {self.path} ({e.strerror or type(e).__name__}): "
+                                  "choose a place you can write to") from None
             try:
                 if fcntl is None:
                     raise OSError(errno.ENOSYS, "no fcntl")
@@ -136,9 +145,19 @@ class FolderLock:
         self._cleanup_dir()
         raise LockError(self.refusal(info, flock))
 
+    def _check_folder(self) -> None:
+        """ConfigError when the folder that holds the lock file, or a folder above it, is a file."""
+        folder = self.path.parent
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        if not folder.is_dir():
+            raise ConfigError(f"{self.what}: {folder} is a file, not a folder: choose another path (nothing was "
+                              "written)")
+
     def probe(self) -> None:
         """Raise LockError when another process holds this lock; creates and changes nothing (a check before a
         launch: the run itself takes the lock)."""
+        self._check_folder()
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
