@@ -319,6 +319,26 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return chosen
 
 
+def load_step(path: str | Path, load, chosen: Path | None = None, attempts: int = 5):
+    """(step folder, load(step folder)) for the step `path` resolves to (`chosen`: already resolved, e.g. for checks
+    made before a slow target load). A run folder that a training still writes can lose that step between choosing
+    and loading (train.keep_last prunes the oldest steps as new ones are saved): when loading fails and the step is
+    gone or incomplete, the run's step is chosen again and loaded, with a warning naming both. A step folder given
+    by its own name is never replaced by another."""
+    path = Path(path)
+    folder = chosen or resolve_checkpoint(path)
+    for _ in range(attempts - 1):
+        try:
+            return folder, load(folder)
+        except Exception:
+            if folder == path or checkpoint_problem(folder) is None:
+                raise  # an intact step that does not load, or one named by the user: its own error
+        gone, folder = folder, resolve_checkpoint(path)
+        _warn_once(f"checkpoint: {gone.name} was removed while it loaded (a training still writing {path} keeps only "
+                   f"its newest steps, train.keep_last); using {folder.name}")
+    return folder, load(folder)
+
+
 _warned: set[str] = set()
 
 

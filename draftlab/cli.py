@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -103,6 +104,57 @@ def check_eval_args(args) -> None:
                               "a round cannot draft more tokens than are generated")
 
 
+def check_eval_files(args) -> None:
+    """The files `draftlab eval` reads and writes, before anything loads: a prompt file that is a folder, and outputs
+    that could not be written once the evaluation has run (a folder, a path through a file, a folder this user cannot
+    write to), which would otherwise fail at the end and lose its results."""
+    from draftlab.config import ConfigError
+
+    inputs = [("--prompts", args.prompts)]
+    if not args.calibration_prompts.isdigit():
+        inputs.append(("--calibration-prompts", args.calibration_prompts))
+    for option, path in inputs:
+        if Path(path).expanduser().is_dir():
+            raise ConfigError(f"{option} {path} is a folder: pass a .jsonl file with `messages` or `prompt` rows")
+    out = Path(args.out).expanduser()
+    table = out.with_suffix(".md")  # written beside the report
+    if table == out:
+        raise ConfigError(f"--out {args.out}: the report's table is written beside it as {table.name}, which would "
+                          f"replace the report: give the report a .json name, e.g. --out {out.with_suffix('.json')}")
+    if table.is_dir():
+        raise ConfigError(f"--out {args.out}: the report's table goes beside it as {table}, which is a folder: move "
+                          "that folder away or give the report another name")
+    check_writable("--out", args.out, "report.json")
+    if args.log_rounds:
+        check_writable("--log-rounds", args.log_rounds, "rounds.jsonl")
+
+
+def check_writable(option: str, path: str, example: str) -> None:
+    """Refuse (ConfigError) a file that cannot be written at `path`: a folder there, a file where a folder of its path
+    should be, or a folder this user cannot write to (tried with a temporary file, which is removed again). Folders
+    that do not exist yet are fine: they are made when the file is written."""
+    import tempfile
+
+    from draftlab.config import ConfigError
+
+    given = Path(path).expanduser()
+    if given.is_dir():
+        raise ConfigError(f"{option} {path} is a folder: name the file to write, e.g. {option} {given / example}")
+    folder = given.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ConfigError(f"{option} {path}: {folder} is a file, not a folder: choose another path")
+    if given.exists() and not os.access(given, os.W_OK):
+        raise ConfigError(f"{option} {path} exists and cannot be written (permission denied): choose another path")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".draftlab-write-check-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{option} {path}: {folder} cannot be written ({e.strerror or type(e).__name__}): choose a "
+                          "folder you can write to") from None
+
+
 def parse_lengths(text: str) -> list[int]:
     """--fixed-k '2,4,6' -> [2, 4, 6]; anything but positive integers is a ConfigError."""
     from draftlab.config import ConfigError
@@ -114,7 +166,7 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def cmd_eval(argv: list[str]) -> None:
-    from draftlab.checkpoint import checkpoint_target, resolve_checkpoint
+    from draftlab.checkpoint import checkpoint_target, load_step, resolve_checkpoint
     from draftlab.drafters import DRAFTERS, load_drafter
     from draftlab.config import ConfigError
     from draftlab.data import encode_prompt, load_prompts
@@ -150,6 +202,7 @@ def cmd_eval(argv: list[str]) -> None:
         raise ConfigError("--draft-length disco stops a checkpoint's chains: drop --tree, --adaptive-threshold, "
                           "--fixed-k, --lookup-first and --proposer")
     check_eval_args(args)
+    check_eval_files(args)
     fixed_lengths = parse_lengths(args.fixed_k)
     if args.log_rounds and args.fixed_k:
         raise ConfigError("--log-rounds logs one drafting rule: drop --fixed-k (or log each fixed k in its own run)")
@@ -187,7 +240,10 @@ def cmd_eval(argv: list[str]) -> None:
         if value > vocab:
             raise ConfigError(f"{name} {value} is above the target's vocabulary size {vocab}")
     if args.checkpoint:
-        drafter = foreign.load(target) if foreign else load_drafter(folder, target).eval()
+        if foreign:
+            drafter = foreign.load(target)
+        else:  # a step pruned by a training still writing the run (train.keep_last) falls back to its newest one
+            folder, drafter = load_step(args.checkpoint, lambda step: load_drafter(step, target).eval(), folder)
         proposer = drafter.proposer(target, **adaptive)
         if args.lookup_first:
             from draftlab.proposers import LookupFirstProposer
