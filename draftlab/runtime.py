@@ -266,16 +266,20 @@ def any_process(flag: bool, accelerator) -> bool:
 
 
 class StopSignals:
-    """SIGTERM and SIGUSR1 (what a cluster sends before it preempts a job; SLURM: `--signal=USR1@120`) ask the
-    training loop to stop after the step it is in, save that step and exit, instead of dying mid-step: `received`
-    names the first such signal (None until one comes). A second signal of the same kind acts as it would without
-    this handler. Installed only in the main thread (Python delivers signals there); a context manager that puts
-    the previous handlers back."""
+    """SIGTERM and SIGUSR1 (what a cluster sends before it preempts a job; SLURM: `--signal=USR1@120`) and SIGINT
+    (Ctrl-C) ask the training loop to stop after the step it is in, save that step and exit, instead of dying
+    mid-step: `received` names the first such signal (None until one comes). The same signal again, a moment later,
+    acts as it would without this handler (a second Ctrl-C stops at once); a repeat within `REPEAT_SECONDS` is taken
+    for the same request (Ctrl-C reaches every process of the terminal's group, and torchrun forwards it to its
+    workers once more). Installed only in the main thread (Python delivers signals there), and not for a SIGINT the
+    process was started to ignore (a background job); a context manager that puts the previous handlers back."""
 
-    NAMES = ("SIGTERM", "SIGUSR1")
+    NAMES = ("SIGTERM", "SIGUSR1", "SIGINT")
+    REPEAT_SECONDS = 1.0
 
     def __init__(self):
         self.received: str | None = None
+        self._at = 0.0
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> "StopSignals":
@@ -283,27 +287,54 @@ class StopSignals:
             for name in self.NAMES:
                 if hasattr(signal, name):
                     number = getattr(signal, name)
+                    if name == "SIGINT" and signal.getsignal(number) == signal.SIG_IGN:
+                        continue
                     self._previous[number] = signal.signal(number, self._handle)
         return self
 
     def _handle(self, number, frame) -> None:
-        if self.received is not None:  # asked twice: stop the way the signal does without us
+        if self.received is not None:
+            if time.monotonic() - self._at < self.REPEAT_SECONDS:
+                return
+            # asked twice: stop the way the signal does without us (SIGINT: KeyboardInterrupt, "interrupted")
             signal.signal(number, self._previous.get(number) or signal.SIG_DFL)
             signal.raise_signal(number)
             return
-        self.received = signal.Signals(number).name
-        print(f"\n{self.received}: stopping after this step (it is saved first; train.resume=auto continues)",
-              file=sys.stderr, flush=True)
+        self.received, self._at = signal.Signals(number).name, time.monotonic()
+        again = " (Ctrl-C again stops at once, without saving it)" if number == signal.SIGINT else ""
+        print(f"\n{self.received}: stopping after this step; it is saved first, then train.resume=auto continues"
+              f"{again}", file=sys.stderr, flush=True)
 
     @property
     def exit_code(self) -> int:
-        """The shell's code for a process ended by the received signal (128 + its number), 0 without one."""
+        """The shell's code for a process ended by the received signal (128 + its number: 130 for Ctrl-C, as for an
+        interruption anywhere else), 0 without one."""
         return 128 + int(getattr(signal, self.received)) if self.received else 0
 
     def __exit__(self, *exc) -> None:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous.clear()
+
+
+def resume_command(argv: list[str] | None = None) -> str:
+    """The command that continues this run: the one that started it, with train.resume=auto in place of any
+    train.resume=... it had. A launcher's own options (torchrun, accelerate launch, launch.sh) are not visible to its
+    workers: then it says to relaunch the same way with these arguments."""
+    import shlex
+
+    argv = list(sys.argv if argv is None else argv)
+    words = [a for a in argv[1:] if not a.startswith("train.resume=")] + ["train.resume=auto"]
+    prog = Path(argv[0]).name if argv else ""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"the same launch with: {shlex.join(words)}"
+    if prog == "draftlab":
+        return shlex.join(["draftlab", *words])
+    if prog == "cli.py":
+        return shlex.join(["python", "-m", "draftlab.cli", *words])
+    if prog == "train.py":
+        return shlex.join(["python", argv[0], *words])
+    return "the same command with train.resume=auto"
 
 
 def loss_weight(batch: dict, global_loss_tokens: float, world: int) -> float:

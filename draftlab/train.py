@@ -149,7 +149,7 @@ def train(cfg, out_dir: Path, accelerator) -> dict:
                     dynamic_ncols=True)
     speed = runtime.Throughput()
     budget, seconds_before, loop_start = cfg.train.max_minutes * 60, state.get("train_seconds", 0.0), time.perf_counter()
-    with runtime.StopSignals() as stop:  # SIGTERM / SIGUSR1: save the step in progress, then stop
+    with runtime.StopSignals() as stop:  # SIGTERM / SIGUSR1 / Ctrl-C: save the step in progress, then stop
         while state["step"] < cfg.train.max_steps and not (budget > 0 and seconds_before >= budget):
             t0, cpu0 = time.perf_counter(), time.process_time()
             model.train()
@@ -215,8 +215,9 @@ def train(cfg, out_dir: Path, accelerator) -> dict:
                 why = (f"{stop.received} received" if stop.received else
                        f"train.max_minutes={cfg.train.max_minutes:g} reached after {minutes:.1f} min" if out_of_time
                        else "another process was asked to stop")
-                tqdm.write(f"{why}: stopped at step {step} of {cfg.train.max_steps} (saved step_{step}; "
-                           "train.resume=auto continues)")
+                if is_main:
+                    tqdm.write(f"{why}: stopped at step {step} of {cfg.train.max_steps}, saved as "
+                               f"{out_dir / f'step_{step}'}; continue with: {runtime.resume_command()}")
                 break
     progress.close()
     accelerator.end_training()
