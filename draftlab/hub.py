@@ -1,7 +1,7 @@
 """Hub export and upload: the formats serving engines load, a model card with measured tau, and the push.
 
     draftlab push CHECKPOINT --repo-id ORG/NAME [--private] [--revision R] [--commit-message M]
-                  [--format auto|draftlab|speculators|eagle|medusa|hf] [--to DIR] [--target PATH]
+                  [--format auto|draftlab|speculators|eagle|medusa|hf|gguf] [--to DIR] [--target PATH]
                   [--base-model HUB_ID] [--eval REPORT.json ...] [--license L]
 
 An export folder holds, at its top, the files a serving engine loads (each drafter kind writes its format in its
@@ -139,7 +139,7 @@ def verifier_name(base_model: str | None, target_path: str, recorded: str = "") 
                    "configs could not name it: pass --base-model with its Hub id (ORG/NAME) or a local folder")
 
 
-FORMATS = ("auto", "draftlab", *dict.fromkeys(cls.export_format for cls in DRAFTERS.values()))
+FORMATS = ("auto", "draftlab", *dict.fromkeys(cls.export_format for cls in DRAFTERS.values()), "gguf")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -149,14 +149,22 @@ FORMATS = ("auto", "draftlab", *dict.fromkeys(cls.export_format for cls in DRAFT
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str = "auto", target=None,
                       tokenizer=None, target_path: str | None = None, base_model: str | None = None,
                       eval_reports: list | tuple = (), license: str = "apache-2.0",
-                      repo_id: str | None = None, disco: str | Path | None = None) -> Path:
+                      repo_id: str | None = None, disco: str | Path | None = None,
+                      gguf_outtype: str = "f32", target_gguf: str | None = None) -> Path:
     """Write the export folder (serving format + card + native checkpoint) for a run or step folder.
 
     fmt: "auto" (the kind's serving format), "draftlab" (native files and card only), or a format name that must
     match the kind. target/tokenizer: an already loaded target (else it is loaded from target_path or the run's
     config when an exporter needs it). disco: a DISCO stop classifier for this drafter (`draftlab disco`), shipped
-    in the export's disco/ folder. The folder is written beside out_dir and renamed into place."""
+    in the export's disco/ folder. The folder is written beside out_dir and renamed into place.
+    fmt "gguf": the kind's own format plus its GGUF for llama.cpp (gguf_export.py: gguf_outtype, target_gguf), or a
+    one-line refusal before anything is written when llama.cpp cannot run this drafter exactly."""
     folder = ckpt.resolve_checkpoint(checkpoint)
+    gguf = None
+    if fmt == "gguf":
+        from draftlab import gguf_export
+
+        gguf, fmt = gguf_export.check(ckpt.read_drafter_config(folder)), "auto"
     reports = [model_card.read_report(p) for p in eval_reports]
     src = Source(folder, target, tokenizer, target_path, base_model)
     fmt = pick_format(src.kind, fmt)
@@ -189,6 +197,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str =
         # the export's own folders, for exporters that write beside their format (never saved in export.json)
         paths = {"export_dir": str(out), "native_dir": str(tmp / NATIVE_DIR)}
         meta["details"] = drafter_class.export(src, tmp, {**meta, **paths}) if fmt != "draftlab" else {}
+        if gguf is not None:
+            meta["gguf"] = gguf_export.convert(tmp, src, gguf, outtype=gguf_outtype, target_gguf=target_gguf)
         if classifier is not None:
             from draftlab import disco as stop
 
@@ -203,6 +213,8 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str =
                 "features", "examples", "positive_rate", "val_accuracy", "recipe")}}
         (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
         model_card.write_card(tmp)
+        if gguf is not None:
+            gguf_export.add_to_card(tmp, meta["gguf"], meta.get("draft_length"))
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)        # nothing half-written is left behind
         if is_disk_full(e):
@@ -346,7 +358,7 @@ def push_checkpoint(checkpoint: str | Path, repo_id: str, *, private: bool = Fal
                     commit_message: str | None = None, fmt: str = "auto", export_dir: str | Path | None = None,
                     target=None, tokenizer=None, target_path: str | None = None, base_model: str | None = None,
                     eval_reports: list | tuple = (), license: str = "apache-2.0", token: str | None = None,
-                    disco: str | Path | None = None) -> str:
+                    disco: str | Path | None = None, gguf_outtype: str = "f32", target_gguf: str | None = None) -> str:
     """Export a run / step folder (or take an existing export as is) and upload it to ORG/NAME; returns the
     commit URL. The training loop calls this for `hub.push` (a run folder means its best step)."""
     check_repo_id(repo_id)
@@ -360,7 +372,7 @@ def push_checkpoint(checkpoint: str | Path, repo_id: str, *, private: bool = Fal
         export = export_checkpoint(checkpoint, export_dir or default_export_dir(checkpoint, repo_id), fmt=fmt,
                                    target=target, tokenizer=tokenizer, target_path=target_path,
                                    base_model=base_model, eval_reports=eval_reports, license=license, repo_id=repo_id,
-                                   disco=disco)
+                                   disco=disco, gguf_outtype=gguf_outtype, target_gguf=target_gguf)
     print(f"export: {export}", flush=True)
     return upload(export, repo_id, private=private, revision=revision, commit_message=commit_message, token=token)
 
@@ -390,7 +402,12 @@ def push_parser() -> argparse.ArgumentParser:
     p.add_argument("--private", action="store_true", help="create the repository as private")
     p.add_argument("--revision", help="branch to push to (created when missing; default main)")
     p.add_argument("--commit-message", help="commit message (default: kind, step, format and tau)")
-    p.add_argument("--format", default="auto", choices=FORMATS, help="serving format (auto: the drafter kind's)")
+    p.add_argument("--format", default="auto", choices=FORMATS, help="serving format (auto: the drafter kind's; "
+                   "gguf: that plus GGUF files for llama.cpp, made by llama.cpp's own converter)")
+    p.add_argument("--gguf-outtype", default="f32", choices=("f32", "bf16", "f16", "q8_0"), help="--format gguf: "
+                   "the GGUF weight type (default f32, what draftlab eval computes in)")
+    p.add_argument("--target-gguf", help="--format gguf: the target's GGUF file to serve with (default: the target's "
+                   "own .gguf, else its transformers folder converted into the export)")
     p.add_argument("--to", help="export into this folder only, no upload")
     p.add_argument("--target", help="target model (default: the one the checkpoint was trained with)")
     p.add_argument("--base-model", help="the target as other tools load it, a Hub id or a local transformers "
@@ -417,6 +434,8 @@ def cmd_push(argv: list[str]) -> None:
                        "'.' and '/', e.g. --revision v1 (no spaces, '..', '~^:?*[\\', or a leading '-')")
     options = dict(fmt=args.format, target_path=args.target, base_model=args.base_model, eval_reports=args.eval,
                    license=args.license, disco=args.disco)
+    if args.format == "gguf":
+        options.update(gguf_outtype=args.gguf_outtype, target_gguf=args.target_gguf)
     if args.to:
         out = export_checkpoint(args.checkpoint, args.to, repo_id=args.repo_id, **options)
         print(f"exported {ckpt.resolve_checkpoint(args.checkpoint)} to {out}:")
