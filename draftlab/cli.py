@@ -8,6 +8,8 @@
                                                      update the drafter online from a round log, gated on tau
     draftlab recipes                                 list the recipes
     draftlab recipes --show NAME [key=value ...]     print a recipe's resolved config
+    draftlab engine build                            build llama.cpp's serving tools (cached per version and CPU)
+    draftlab engine where                            print the folder of the built tools
 """
 from __future__ import annotations
 
@@ -461,7 +463,11 @@ def main(argv: list[str] | None = None) -> int:
         from draftlab.online import cmd_serve_learn
 
         return run_guarded(lambda: cmd_serve_learn(rest))
-    print(f"draftlab: error: unknown command '{command}': use train, eval, push, recipes, disco or serve-learn\n\n{usage}", file=sys.stderr)
+    if command == "engine":
+        from draftlab.llama_cpp_tools import main as engine_main
+
+        return engine_main(rest)
+    print(f"draftlab: error: unknown command '{command}': use train, eval, push, recipes, disco, serve-learn or engine\n\n{usage}", file=sys.stderr)
     return 2
 
 
