@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
@@ -33,14 +34,21 @@ from draftlab.config import ConfigError, tracking_list
 
 def make_accelerator(cfg, out_dir: Path) -> Accelerator:
     """Accelerator for this run: CPU (gloo when several processes) without a GPU, bf16 on GPUs that support it,
-    the requested trackers, tensorboard logs in out_dir/tensorboard."""
+    DeepSpeed or FSDP when the launch asked for them (with or without GPUs), the requested trackers, tensorboard
+    logs in out_dir/tensorboard. A launch whose processes did not form the group it asked for stops here."""
     mixed = cfg.train.mixed_precision
+    gpu = torch.cuda.is_available()
     if mixed == "auto":
-        mixed = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "no"
-    if mixed == "bf16" and not torch.cuda.is_available():
+        mixed = "bf16" if gpu and torch.cuda.is_bf16_supported() else "no"
+    if mixed == "bf16" and not gpu:
         from draftlab.target import warn_slow_cpu_bf16
 
         warn_slow_cpu_bf16("training autocasts", "train in float32 (train.mixed_precision=no)")
+    sharded = requested_sharding()
+    if sharded and env_flag("ACCELERATE_USE_CPU"):
+        raise ConfigError(f"{sharded} was asked for, but ACCELERATE_USE_CPU=true makes accelerate skip it (it "
+                          "would train as plain DDP): unset ACCELERATE_USE_CPU; DeepSpeed and FSDP find the CPU "
+                          "and gloo by themselves when there is no GPU")
     trackers = [t for t in tracking_list(cfg) if t != "jsonl"]
     project = ProjectConfiguration(project_dir=str(out_dir), logging_dir=str(out_dir / "tensorboard"))
     # step_scheduler_with_optimizer=False: accelerate would otherwise step the schedule once per *process* at
@@ -48,23 +56,62 @@ def make_accelerator(cfg, out_dir: Path) -> Accelerator:
     # would decay its learning rate twice as fast as the same run on one process.
     # In-loop evaluation runs on the main process while the others wait at the next collective: allow it hours,
     # not the default 30 minutes, before a waiting rank gives up (a long evaluation on a large target is normal).
-    patience = InitProcessGroupKwargs(timeout=timedelta(hours=3))
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed, log_with=trackers or None,
-                              project_config=project, step_scheduler_with_optimizer=False, kwargs_handlers=[patience])
+    # Without a GPU the group is gloo's. `cpu=True` would make accelerate skip DeepSpeed and FSDP without a word,
+    # so a sharded launch keeps cpu=False: DeepSpeed then picks its CPU accelerator by itself.
+    group = InitProcessGroupKwargs(timeout=timedelta(hours=3), backend="gloo" if sharded and not gpu else None)
+    accelerator = Accelerator(cpu=not gpu and not sharded, mixed_precision=mixed, log_with=trackers or None,
+                              project_config=project, step_scheduler_with_optimizer=False, kwargs_handlers=[group])
+    check_world(accelerator, sharded)
+    if sharded:  # DeepSpeed's collectives call a torch API deprecated in favour of another: once, not every step
+        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None:  # our batches bypass accelerate's DataLoader, so fill DeepSpeed's "auto" fields here
-        ds = plugin.deepspeed_config
+    if plugin is not None:
+        # accelerate registers transformers' HfDeepSpeedConfig whenever the DeepSpeed plugin is selected, whatever
+        # zero3_init_flag says; under ZeRO-3 every `from_pretrained` would then build its model inside
+        # deepspeed.zero.Init, so the frozen target (and a small_lm drafter's base) would arrive as empty shards.
+        # Nothing here is built partitioned: DeepSpeed partitions the drafter when `prepare` hands it over.
+        from transformers.integrations import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        plugin.dschf = None
+        ds = plugin.deepspeed_config  # our batches bypass accelerate's DataLoader: fill DeepSpeed's "auto" here
         ds["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
         # draftlab accumulates micro-batches itself: `accelerator.sync_gradients` marks the last one, which is
         # where DeepSpeed reduces and steps (its own loss division by the accumulation count stays at 1)
         ds["gradient_accumulation_steps"] = 1
         ds["train_batch_size"] = cfg.train.batch_size * accelerator.num_processes
         ds["gradient_clipping"] = cfg.train.grad_clip
-        if plugin.zero_stage == 3 and cfg.eval.every > 0:
-            raise ConfigError("DeepSpeed ZeRO-3 shards the drafter across processes, so the main process alone "
-                              "cannot speculate with it: set eval.every=0 and score checkpoints with "
-                              "`draftlab eval`, or use ZeRO-2 (--deepspeed zero2)")
     return accelerator
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def requested_sharding() -> str | None:
+    """"DeepSpeed" or "FSDP" when the launcher asked for it (accelerate launch exports ACCELERATE_USE_DEEPSPEED /
+    ACCELERATE_USE_FSDP from a DEEPSPEED / FSDP config; so can torchrun users), else None."""
+    if env_flag("ACCELERATE_USE_DEEPSPEED"):
+        return "DeepSpeed"
+    if env_flag("ACCELERATE_USE_FSDP"):
+        return "FSDP"
+    return None
+
+
+def check_world(accelerator, sharded: str | None) -> None:
+    """Stop with one line when the processes did not form the group the launcher started: each rank alone
+    (world size 1 under a launcher of several processes), or DeepSpeed / FSDP asked for and not set up."""
+    launched = int(os.environ.get("WORLD_SIZE") or accelerator.num_processes)  # torchrun and accelerate set it
+    if accelerator.num_processes != launched:
+        raise ConfigError(f"the launcher started {launched} processes but they did not form one group (accelerate "
+                          f"sees {accelerator.num_processes}, {accelerator.distributed_type.value}): launch through "
+                          "./launch.sh, or `accelerate launch` with a config from recipes/accelerate/")
+    got = accelerator.distributed_type
+    if sharded == "DeepSpeed" and got != DistributedType.DEEPSPEED or sharded == "FSDP" and got != DistributedType.FSDP:
+        raise ConfigError(f"{sharded} was asked for but accelerate set up {got.value}: launch with ./launch.sh "
+                          f"--{'deepspeed zero2|zero3' if sharded == 'DeepSpeed' else 'fsdp'}, or check that "
+                          f"{'deepspeed' if sharded == 'DeepSpeed' else 'torch'} is installed "
+                          "(pip install -e \".[deepspeed]\")")
 
 
 def run_lock(out_dir: Path):
@@ -117,7 +164,9 @@ def gather_weights(accelerator, model, drafter) -> dict[str, torch.Tensor] | Non
     from draftlab.checkpoint import trainable_state_dict
 
     wanted = set(trainable_state_dict(drafter))
-    full = accelerator.get_state_dict(model)  # keys of the DrafterLoss wrapper: "drafter.<name>"
+    # keys of the DrafterLoss wrapper: "drafter.<name>"; DeepSpeed consolidates on the main process only and hands
+    # the other ranks None (they still had to take part in the gather)
+    full = accelerator.get_state_dict(model) or {}
     return {k.removeprefix("drafter."): v.contiguous().cpu() for k, v in full.items()
             if k.removeprefix("drafter.") in wanted}
 

@@ -97,6 +97,10 @@ def train(cfg, out_dir: Path, accelerator) -> dict:
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
                                   weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
+    # ZeRO-3 partitions the drafter across processes, so the main process speculates with a whole copy made here,
+    # refreshed at every evaluation with the weights gathered for the checkpoint
+    whole_copy = (evaluation_copy(drafter, target) if cfg.eval.every > 0 and is_main
+                  and runtime.zero_stage(accelerator) == 3 else None)
     model = DrafterLoss(drafter)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     # the initialisation above is the same on every process; from here on each rank draws its own noise
@@ -120,7 +124,7 @@ def train(cfg, out_dir: Path, accelerator) -> dict:
     batches.micro_step = state["micro_step"]
     runtime.init_tracking(accelerator, cfg, out_dir, {**runtime.flat_config(cfg), **runtime.git_revision(),
                                                        "world_size": world})
-    evaluator = InLoopEvaluator(cfg, target, tokenizer) if cfg.eval.every > 0 and is_main else None
+    evaluator = InLoopEvaluator(cfg, target, tokenizer, whole_copy) if cfg.eval.every > 0 and is_main else None
 
     if cfg.eval.every > 0 and cfg.eval.at_start and state["step"] == 0:  # every rank: saving is collective
         checkpoint_step(cfg, out_dir, 0, drafter, model, optimizer, scheduler, state, evaluator, accelerator)
@@ -377,6 +381,16 @@ class DrafterLoss(torch.nn.Module):
         return self.drafter.loss(batch, features)
 
 
+def evaluation_copy(drafter, target):
+    """A copy of the drafter with its own parameters and buffers that shares the target's modules it borrows
+    (embedding, LM head, ...) instead of copying them."""
+    import copy
+
+    shared = {id(m): m for m in target.modules()}
+    shared.update({id(t): t for t in (*target.parameters(), *target.buffers())})
+    return copy.deepcopy(drafter, shared)
+
+
 def restore(folder: Path, drafter, model, optimizer, scheduler, accelerator) -> tuple[dict, object]:
     """Weights, optimiser, schedule and trainer state (step, data position, history) from a step folder.
     Returns (state, RNG streams of every rank): main() restores the streams last, just before the loop."""
@@ -398,22 +412,27 @@ class InLoopEvaluator:
     """Scores the drafter by real speculative decoding on fixed prompts; target-only outputs and timings are
     computed once (first call) and reused by every later evaluation."""
 
-    def __init__(self, cfg, target, tokenizer):
+    def __init__(self, cfg, target, tokenizer, whole_copy=None):
         from draftlab.data import encode_prompt, load_prompts
         from draftlab.target import eos_ids
 
-        self.cfg, self.target = cfg, target
+        self.cfg, self.target, self.whole_copy = cfg, target, whole_copy
         prompts = load_prompts(cfg.data.eval_prompts, limit=cfg.eval.num_prompts)
         self.prompt_ids = [encode_prompt(tokenizer, p.messages) for p in prompts]
         self.categories = [p.category for p in prompts]
         self.eos = eos_ids(tokenizer, target)
         self.baseline = None
 
-    def __call__(self, drafter) -> dict:
+    def __call__(self, drafter, weights: dict | None = None) -> dict:
+        """Score `drafter`; with `weights` (the gathered weights of a ZeRO-3 run, whose drafter holds only shards)
+        score the whole copy given at construction, loaded with them."""
         from draftlab.evaluator import evaluate, run_baseline
         from draftlab.trees import TreeSpec
         from draftlab.verify import Sampling
 
+        if weights is not None:
+            self.whole_copy.load_state_dict(weights, strict=False)
+            drafter = self.whole_copy
         e = self.cfg.eval
         spec = TreeSpec(kind=e.tree, draft_length=e.draft_length, depth=e.depth, top_k=e.top_k,
                         total_tokens=e.total_tokens)
@@ -452,10 +471,10 @@ def checkpoint_step(cfg, out_dir: Path, step: int, drafter, model, optimizer, sc
     Every process calls it: the RNG streams of all ranks (and DeepSpeed's shards) go into the folder."""
     folder = out_dir / f"step_{step}"
     extra = {}
-    if evaluator is not None:
-        extra["eval.json"] = evaluate_step(cfg, out_dir, step, drafter, state, evaluator, accelerator)
-    rngs = runtime.gather_rng_states(accelerator)  # after the evaluation, which may draw from the main stream
     weights = runtime.gather_weights(accelerator, model, drafter)  # None: take them from the drafter itself
+    if evaluator is not None:
+        extra["eval.json"] = evaluate_step(cfg, out_dir, step, drafter, state, evaluator, accelerator, weights)
+    rngs = runtime.gather_rng_states(accelerator)  # after the evaluation, which may draw from the main stream
     if accelerator.is_main_process:
         ckpt.begin_save(folder)
     if runtime.is_deepspeed(accelerator):  # each rank writes its optimizer shard into the staging folder
@@ -485,11 +504,12 @@ def checkpoint_step(cfg, out_dir: Path, step: int, drafter, model, optimizer, sc
     accelerator.wait_for_everyone()
 
 
-def evaluate_step(cfg, out_dir: Path, step: int, drafter, state: dict, evaluator, accelerator) -> str:
+def evaluate_step(cfg, out_dir: Path, step: int, drafter, state: dict, evaluator, accelerator,
+                  weights: dict | None = None) -> str:
     """Score the drafter by speculative decoding, update history/best, log tau and per-position acceptance;
-    returns the report as JSON text (the step folder's eval.json)."""
+    returns the report as JSON text (the step folder's eval.json). `weights`: see InLoopEvaluator.__call__."""
     t0 = time.perf_counter()
-    report = evaluator(drafter)
+    report = evaluator(drafter, weights)
     report["step"] = step
     report["eval_seconds"] = time.perf_counter() - t0
     tau = report["acceptance_length"]
