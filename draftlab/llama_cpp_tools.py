@@ -23,11 +23,13 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import tarfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftlab.errors import HubError
@@ -191,3 +193,99 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# running llama-speculative-simple (tests/test_llama_cpp_serving.py, bench/llama_cpp_serving.py)
+
+# target-only decoding in the same program: llama-speculative-simple refuses `--spec-type none`, and an n-gram
+# lookup whose key is 1,024 tokens long (its maximum) never matches a shorter context, so every round is one plain
+# one-token decode of the target
+TARGET_ONLY = ("--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "1024")
+
+
+@dataclass
+class Served:
+    """One prompt decoded by llama-speculative-simple."""
+    text: str                        # what it printed after the prompt (the answer, EOS not included)
+    rounds: list[tuple[int, int]]    # per target forward: (accepted draft tokens, drafted tokens)
+    tokens: int                      # tokens it emitted (n_predict: every round's accepted + 1)
+    decode_seconds: float            # its own timer over the decoding loop (prompt processing excluded)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per target forward (the first round's included: llama.cpp verifies its first draft together with
+        the prompt's last token)."""
+        return self.tokens / max(len(self.rounds), 1)
+
+
+ACCEPTED_RE = re.compile(r"accepted (\d+)/(\d+) draft tokens")
+DECODED_RE = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+
+
+def speculative_command(tools: dict, target_gguf: str | Path, prompt_file: str | Path, max_new_tokens: int, *,
+                        draft_gguf: str | Path | None = None, spec_type: str | None = None, draft_length: int = 5,
+                        threads: int = 1, extra: tuple[str, ...] = ()) -> list[str]:
+    """argv of one greedy decoding. spec_type None: target-only (TARGET_ONLY). llama-speculative-simple emits one
+    token more than -n, so -n is max_new_tokens - 1."""
+    cmd = [str(tools["llama-speculative-simple"]), "-m", str(target_gguf), "-f", str(prompt_file),
+           "-n", str(max_new_tokens - 1), "--temp", "0", "--seed", "0", "-t", str(threads), "-tb", str(threads),
+           "-c", "4096", "-lv", "5", "--no-warmup"]
+    if spec_type is None:
+        cmd += TARGET_ONLY
+    else:
+        cmd += ["--spec-type", spec_type, "--spec-draft-n-max", str(draft_length)]
+    if draft_gguf is not None:
+        cmd += ["-md", str(draft_gguf), "-td", str(threads), "-tbd", str(threads)]
+    return cmd + list(extra)
+
+
+def run_speculative(cmd: list[str], prompt_text: str, timeout: float = 600) -> Served:
+    """Run one speculative-simple command (from speculative_command) whose -f file holds prompt_text."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, errors="replace")
+    log = done.stdout + "\n" + done.stderr
+    if done.returncode != 0:
+        tail = " | ".join(line for line in done.stderr.strip().splitlines()[-3:])
+        raise EngineError(f"llama-speculative-simple failed (exit {done.returncode}): {tail[:400]}")
+    decoded = DECODED_RE.search(log)
+    if decoded is None:
+        raise EngineError("llama-speculative-simple printed no 'decoded N tokens' line: not the expected version")
+    rounds = [(int(a), int(n)) for a, n in ACCEPTED_RE.findall(log)]
+    # stdout: "\n\n", the prompt's tokens as text, the answer, "\n\n"
+    out = done.stdout
+    start = out.find(prompt_text)
+    text = out[start + len(prompt_text):] if start >= 0 else out
+    text = text[:-2] if text.endswith("\n\n") else text
+    return Served(text=text, rounds=rounds, tokens=int(decoded.group(1)), decode_seconds=float(decoded.group(2)))
+
+
+def served_starts(rounds: list[tuple[int, int]]) -> list[int]:
+    """Where each served round's first new token sits in the answer (0-based): llama.cpp drafts from the prompt's
+    last token, so its first round starts at answer[0]; the next starts accepted + 1 later."""
+    starts, at = [], 0
+    for accepted, _ in rounds:
+        starts.append(at)
+        at += accepted + 1
+    return starts
+
+
+def compare_rounds(served: list[tuple[int, int]], reference: dict[int, int], draft_length: int) -> tuple[int, int]:
+    """(rounds compared, rounds that differ) between a served decoding and a reference one of the same answer.
+
+    reference: {answer index where a round starts: its accepted count} (draftlab's round log). Rounds partition the
+    answer differently until both start a round at the same index (draftlab's first round starts at answer[1]:
+    its prefill yields answer[0]); from there on, greedy drafting from the same context must accept the same count.
+    Served rounds whose draft was cut short by the token budget (fewer than draft_length drafted) are skipped."""
+    compared = differ = 0
+    aligned = False
+    for start, (accepted, drafted) in zip(served_starts(served), served):
+        aligned = aligned or start in reference
+        if not aligned or drafted < draft_length or start not in reference:
+            continue
+        compared += 1
+        differ += reference[start] != accepted
+    return compared, differ
