@@ -211,6 +211,8 @@ class Served:
     rounds: list[tuple[int, int]]    # per target forward: (accepted draft tokens, drafted tokens)
     tokens: int                      # tokens it emitted (n_predict: every round's accepted + 1)
     decode_seconds: float            # its own timer over the decoding loop (prompt processing excluded)
+    draft_ms: float | None = None    # the drafter's own timer over its draft calls (llama.cpp's "dur(b,g,a)" g)
+    draft_tokens: int = 0            # tokens it drafted ("#gen tokens")
 
     @property
     def tokens_per_second(self) -> float:
@@ -225,6 +227,7 @@ class Served:
 
 ACCEPTED_RE = re.compile(r"accepted (\d+)/(\d+) draft tokens")
 DECODED_RE = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+STATS_RE = re.compile(r"statistics\s+\S+: .*#gen tokens =\s*(\d+).*dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
 
 
 def speculative_command(tools: dict, target_gguf: str | Path, prompt_file: str | Path, max_new_tokens: int, *,
@@ -260,7 +263,10 @@ def run_speculative(cmd: list[str], prompt_text: str, timeout: float = 600) -> S
     start = out.find(prompt_text)
     text = out[start + len(prompt_text):] if start >= 0 else out
     text = text[:-2] if text.endswith("\n\n") else text
-    return Served(text=text, rounds=rounds, tokens=int(decoded.group(1)), decode_seconds=float(decoded.group(2)))
+    stats = STATS_RE.findall(log)
+    draft_ms = sum(float(g) for _, _, g, _ in stats) if stats else None
+    return Served(text=text, rounds=rounds, tokens=int(decoded.group(1)), decode_seconds=float(decoded.group(2)),
+                  draft_ms=draft_ms, draft_tokens=sum(int(n) for n, *_ in stats))
 
 
 def served_starts(rounds: list[tuple[int, int]]) -> list[int]:
