@@ -173,9 +173,15 @@ def test_eval_refuses_outputs_it_could_not_write_before_anything_loads(run_folde
     elif case == "log is a folder":
         extra, words = ["--log-rounds", str(folder)], [f"--log-rounds {folder} is a folder", "rounds.jsonl"]
     elif case == "out cannot be written":
-        if os.geteuid() == 0:
-            pytest.skip("root writes into a read-only folder")
-        folder.chmod(0o555)
+        if os.geteuid() == 0:  # root writes into a read-only folder: its write is refused as a user's would be
+            import tempfile
+
+            def refused(*a, **k):
+                raise PermissionError(13, "Permission denied")
+
+            monkeypatch.setattr(tempfile, "NamedTemporaryFile", refused)
+        else:
+            folder.chmod(0o555)
         out, words = folder / "report.json", [f"{folder} cannot be written (Permission denied)"]
     else:
         prompts, words = folder, [f"--prompts {folder} is a folder", "pass a .jsonl file"]
