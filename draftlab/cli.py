@@ -118,7 +118,7 @@ def check_eval_files(args) -> None:
     for option, path in inputs:
         if Path(path).expanduser().is_dir():
             raise ConfigError(f"{option} {path} is a folder: pass a .jsonl file with `messages` or `prompt` rows")
-    out = Path(args.out).expanduser()
+    out = Path(args.out)  # as the report is written: no ~ expansion
     table = out.with_suffix(".md")  # written beside the report
     if table == out:
         raise ConfigError(f"--out {args.out}: the report's table is written beside it as {table.name}, which would "
@@ -139,7 +139,7 @@ def check_writable(option: str, path: str, example: str) -> None:
 
     from draftlab.config import ConfigError
 
-    given = Path(path).expanduser()
+    given = Path(path)
     if given.is_dir():
         raise ConfigError(f"{option} {path} is a folder: name the file to write, e.g. {option} {given / example}")
     folder = given.parent
