@@ -149,8 +149,8 @@ def run_folder(tiny_target, tmp_path) -> Path:
     return run
 
 
-@pytest.mark.parametrize("case", ["out is a folder", "out goes through a file", "out names the table", "log is a folder",
-                                  "out cannot be written", "prompts is a folder"])
+@pytest.mark.parametrize("case", ["out is a folder", "out goes through a file", "out names the table",
+                                  "log is a folder", "out cannot be written", "prompts is a folder"])
 def test_eval_refuses_outputs_it_could_not_write_before_anything_loads(run_folder, tiny_target_dir, tiny_prompt_file,
                                                                        tmp_path, monkeypatch, capsys, case):
     import draftlab.target
