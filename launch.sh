@@ -8,15 +8,20 @@ CONFIG_DIR="$ROOT/recipes/accelerate"
 
 usage() {
   cat <<'EOF'
-Usage: ./launch.sh [--deepspeed zero2|zero3] [--cpu] [--dry-run] [--] recipe=NAME [key=value ...]
+Usage: ./launch.sh [--deepspeed zero2|zero3 | --fsdp] [--cpu] [--dry-run] [--] recipe=NAME [key=value ...]
 
 Runs: accelerate launch --config_file CONFIG --num_processes N --num_machines M --machine_rank R
         --main_process_ip ADDR --main_process_port PORT draftlab/train.py recipe=NAME key=value ...
 
 Options (anywhere on the line; after `--` everything goes to train.py unread):
-  --deepspeed zero2|zero3  use recipes/accelerate/deepspeed_zeroN.yaml (DeepSpeed JSON in recipes/deepspeed/)
+  --deepspeed zero2|zero3  use recipes/accelerate/deepspeed_zeroN.yaml (DeepSpeed JSON in recipes/deepspeed/);
+                           with --cpu: DeepSpeed on CPU processes (gloo), e.g. to check a ZeRO run before a cluster
+  --fsdp                   use recipes/accelerate/fsdp.yaml (FSDP2, GPUs only: accelerate applies FSDP on
+                           accelerator devices alone, so --fsdp --cpu is refused)
   --cpu                    run on the CPU: config cpu_ddp (gloo), 2 processes unless GPUS_PER_NODE is set
-  --dry-run                print the exact command and exit 0 without running it
+  --dry-run                print the accelerate command and exit 0 without running it (launch.sh runs it through
+                           `python -m draftlab.launcher`, which takes the same arguments and reports a failed
+                           training process in one line, exit code 2 for a mistake the user can fix)
   -h, --help               this help
 Every other argument is passed to draftlab/train.py verbatim (recipe=NAME and key=value overrides).
 
@@ -29,13 +34,14 @@ Environment:
   PYTHON         interpreter for the check before the launch (default: python3 on PATH)
   ACCEL_CONFIG   accelerate config: a name in recipes/accelerate/ (without .yaml) or a path to a YAML file.
                  Default: single_gpu (1 process), multi_gpu (1 node, >1 GPU), multi_node (NNODES>1),
-                 cpu_ddp (--cpu), deepspeed_zero2/3 (--deepspeed).
+                 cpu_ddp (--cpu), deepspeed_zero2/3 (--deepspeed), fsdp (--fsdp).
 
 Examples:
   ./launch.sh recipe=eagle_head target.path=/models/llama train.max_steps=1000
   GPUS_PER_NODE=8 ./launch.sh --deepspeed zero3 recipe=distill_online_whitebox eval.every=0  # ZeRO-3: draftlab eval
   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 ./launch.sh recipe=eagle_head   # run on every node
   ./launch.sh --cpu --dry-run recipe=quickstart
+  ./launch.sh --cpu --deepspeed zero3 recipe=eagle_head train.max_steps=50      # ZeRO-3 on two CPU processes
   GPUS_PER_NODE=8 ./launch.sh recipe=eagle_head train.resume=auto   # continue out_dir's run after a crash
 EOF
 }
@@ -73,7 +79,7 @@ available_configs() {  # "a, b, c": the names in recipes/accelerate/
 }
 
 # --- arguments ---------------------------------------------------------------------------------------------
-deepspeed="" cpu=0 dry_run=0
+deepspeed="" fsdp=0 cpu=0 dry_run=0
 passthrough=()
 while (($#)); do
   case $1 in
@@ -82,6 +88,7 @@ while (($#)); do
       (($# >= 2)) || die "--deepspeed needs a value: zero2 or zero3"
       deepspeed=$2; shift 2 ;;
     --deepspeed=*) deepspeed=${1#*=}; shift ;;
+    --fsdp) fsdp=1; shift ;;
     --cpu) cpu=1; shift ;;
     --dry-run) dry_run=1; shift ;;
     --) shift; passthrough+=("$@"); break ;;
@@ -113,13 +120,20 @@ num_processes=$((GPUS_PER_NODE * NNODES))
 # --- accelerate config -------------------------------------------------------------------------------------
 if [[ -n $deepspeed ]]; then
   [[ $deepspeed == zero2 || $deepspeed == zero3 ]] || die "--deepspeed $deepspeed: choose zero2 or zero3"
-  ((cpu == 0)) || die "--deepspeed needs GPUs; drop --cpu (the CPU multi-process path is --cpu alone)"
+  ((fsdp == 0)) || die "--deepspeed and --fsdp both given; choose one of them"
   [[ -z ${ACCEL_CONFIG-} ]] || die "both ACCEL_CONFIG=$ACCEL_CONFIG and --deepspeed given; use one of them"
+fi
+if ((fsdp)); then
+  ((cpu == 0)) || die "--fsdp needs GPUs: accelerate applies FSDP on accelerator devices only (on a CPU it would" \
+    "train as plain DDP); for sharded training on CPUs use --deepspeed zero3 --cpu"
+  [[ -z ${ACCEL_CONFIG-} ]] || die "both ACCEL_CONFIG=$ACCEL_CONFIG and --fsdp given; use one of them"
 fi
 if [[ -n ${ACCEL_CONFIG-} ]]; then
   config=$ACCEL_CONFIG
 elif [[ -n $deepspeed ]]; then
   config=deepspeed_$deepspeed
+elif ((fsdp)); then
+  config=fsdp
 elif ((cpu)); then
   config=cpu_ddp
 elif ((NNODES > 1)); then
@@ -168,8 +182,9 @@ cmd=(accelerate launch
   "$ROOT/draftlab/train.py"
   ${passthrough[@]+"${passthrough[@]}"})
 env_prefix=()
-# the processes must ask for the CPU themselves, or each one runs alone as world size 1 (shared/NOTES.md)
-((cpu)) && env_prefix=(ACCELERATE_USE_CPU=true)
+# Plain DDP on CPUs: the processes must ask for the CPU themselves, or each one runs alone as world size 1.
+# Not under DeepSpeed: ACCELERATE_USE_CPU would make accelerate skip it (train.py forms the gloo group itself).
+((cpu)) && [[ -z $deepspeed ]] && env_prefix=(ACCELERATE_USE_CPU=true)
 
 if ((dry_run)); then
   words=()
@@ -186,4 +201,6 @@ python=${PYTHON:-$(command -v python3 || command -v python)} || die "no python o
 check=--check
 ((NODE_RANK == 0)) || check=--check-config
 "$python" "$ROOT/draftlab/train.py" "$check" ${passthrough[@]+"${passthrough[@]}"} || exit $?
-exec env ${env_prefix[@]+"${env_prefix[@]}"} "${cmd[@]}"
+# `accelerate launch` itself, through draftlab.launcher: a rank that fails prints its one line, not a traceback
+exec env ${env_prefix[@]+"${env_prefix[@]}"} PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" \
+  "$python" -m draftlab.launcher "${cmd[@]:2}"

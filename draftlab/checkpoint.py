@@ -79,26 +79,39 @@ def save_drafter(drafter: torch.nn.Module, folder: str | Path, extra_files: dict
             torch.save(trainer_state, tmp / STATE_NAME)
         _sync_tree(tmp)
     except BaseException as e:
-        full, reason = disk_full_errno(e, folder.parent), str(e).splitlines()[0] if str(e) else type(e).__name__
-        if full is None and not is_write_failure(e):
+        failure = write_failure(e, folder)
+        if failure is None:
             shutil.rmtree(staging_folder(folder), ignore_errors=True)  # a crash: nothing half-written stays behind
             raise
     else:
         replace_folder(tmp, folder)
         return folder
-    # a write failed (here, once the exception and the file handles its traceback held are gone): remove the partial
-    # folder, so that on a full disk the message's advice, free some space, is enough; earlier steps were not touched
+    raise failed_save(folder, *failure)
+
+
+def write_failure(e: BaseException, folder: Path) -> tuple[int | None, str] | None:
+    """(errno of a full disk or quota, or None; the first line of the error) when `e` is a failed write into
+    `folder`'s staging folder, None when it is anything else (a crash, to be raised as it is)."""
+    full, reason = disk_full_errno(e, Path(folder).parent), str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None if full is None and not is_write_failure(e) else (full, reason)
+
+
+def failed_save(folder: Path, full: int | None, reason: str) -> CheckpointError:
+    """Remove the partial staging folder of a failed write and return the one-line error to raise. Call it once the
+    exception is handled: the file handles its traceback held are gone then, so on a full disk the message's
+    advice, free some space, is enough. Earlier steps were not touched."""
+    folder = Path(folder)
     shutil.rmtree(staging_folder(folder), ignore_errors=True)
     if full is not None:
         free, size = free_bytes(folder.parent), _newest_step_size(folder)
-        raise DiskFullError(
+        return DiskFullError(
             f"{'disk quota exceeded' if full == errno.EDQUOT else 'no space left on device'} writing checkpoint "
             f"{folder} (its partial {staging_folder(folder).name} was removed; "
             f"{'?' if free is None else human_bytes(free)} free on that disk now"
             + (f", a checkpoint of this run takes about {human_bytes(size)}" if size else "") + ")")
-    raise CheckpointError(f"writing checkpoint {folder} failed ({reason}); its partial {staging_folder(folder).name} "
-                          f"was removed and earlier steps are untouched: check that {folder.parent} is writable and "
-                          "its device healthy")
+    return CheckpointError(f"writing checkpoint {folder} failed ({reason}); its partial {staging_folder(folder).name} "
+                           f"was removed and earlier steps are untouched: check that {folder.parent} is writable "
+                           "and its device healthy")
 
 
 def _newest_step_size(folder: Path) -> int:

@@ -62,8 +62,8 @@ def make_accelerator(cfg, out_dir: Path) -> Accelerator:
     accelerator = Accelerator(cpu=not gpu and not sharded, mixed_precision=mixed, log_with=trackers or None,
                               project_config=project, step_scheduler_with_optimizer=False, kwargs_handlers=[group])
     check_world(accelerator, sharded)
-    if sharded:  # DeepSpeed's collectives call a torch API deprecated in favour of another: once, not every step
-        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
+    if sharded:  # DeepSpeed's collectives call torch APIs deprecated in favour of others, a warning at every call
+        warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is not None:
         # accelerate registers transformers' HfDeepSpeedConfig whenever the DeepSpeed plugin is selected, whatever
@@ -86,6 +86,25 @@ def make_accelerator(cfg, out_dir: Path) -> Accelerator:
 
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def full_optimizer_state(model, optimizer) -> dict:
+    """FSDP: the whole optimizer state, gathered to the main process (a collective; other ranks get {})."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer),
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state(model, optimizer, weights: dict, optim_state: dict) -> None:
+    """FSDP: the whole drafter weights (names without the wrapper's "drafter.") and optimizer state read by the
+    main process, scattered to every rank's shards (a collective)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    scatter = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    set_model_state_dict(model, {f"drafter.{k}": v for k, v in weights.items()}, options=scatter)
+    set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), optim_state, options=scatter)
 
 
 def requested_sharding() -> str | None:
@@ -156,16 +175,25 @@ def zero_stage(accelerator) -> int:
     return int(accelerator.state.deepspeed_plugin.zero_stage)
 
 
+def is_fsdp(accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def shards_weights(accelerator) -> bool:
+    """Whether each process holds only a shard of the drafter's weights (DeepSpeed ZeRO-3, FSDP)."""
+    return zero_stage(accelerator) == 3 or is_fsdp(accelerator)
+
+
 def gather_weights(accelerator, model, drafter) -> dict[str, torch.Tensor] | None:
-    """The drafter's trainable weights when they are sharded (DeepSpeed ZeRO-3: a collective, every process
-    calls it; the main process gets full tensors); None otherwise (read them from the drafter itself)."""
-    if zero_stage(accelerator) != 3:
+    """The drafter's trainable weights when they are sharded (ZeRO-3, FSDP: a collective, every process calls it;
+    the main process gets full tensors); None otherwise (read them from the drafter itself)."""
+    if not shards_weights(accelerator):
         return None
     from draftlab.checkpoint import trainable_state_dict
 
     wanted = set(trainable_state_dict(drafter))
-    # keys of the DrafterLoss wrapper: "drafter.<name>"; DeepSpeed consolidates on the main process only and hands
-    # the other ranks None (they still had to take part in the gather)
+    # keys of the DrafterLoss wrapper: "drafter.<name>"; DeepSpeed and FSDP consolidate on the main process only and
+    # hand the other ranks None or nothing (they still had to take part in the gather)
     full = accelerator.get_state_dict(model) or {}
     return {k.removeprefix("drafter."): v.contiguous().cpu() for k, v in full.items()
             if k.removeprefix("drafter.") in wanted}

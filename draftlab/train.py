@@ -97,10 +97,10 @@ def train(cfg, out_dir: Path, accelerator) -> dict:
     optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(cfg.train.adam_beta1, cfg.train.adam_beta2),
                                   weight_decay=cfg.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
-    # ZeRO-3 partitions the drafter across processes, so the main process speculates with a whole copy made here,
-    # refreshed at every evaluation with the weights gathered for the checkpoint
+    # ZeRO-3 and FSDP shard the drafter across processes, so the main process speculates with a whole copy made
+    # here, refreshed at every evaluation with the weights gathered for the checkpoint
     whole_copy = (evaluation_copy(drafter, target) if cfg.eval.every > 0 and is_main
-                  and runtime.zero_stage(accelerator) == 3 else None)
+                  and runtime.shards_weights(accelerator) else None)
     model = DrafterLoss(drafter)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     # the initialisation above is the same on every process; from here on each rank draws its own noise
@@ -277,12 +277,21 @@ def check_run_folder(cfg, out_dir: Path) -> None:
 def check(cfg, run_folder: bool = True) -> None:
     """`train.py --check`: everything that can be verified before any process starts (launch.sh runs it first, so
     that a mistake is one line and exit code 2, not one traceback per rank): the configuration (load_config has
-    checked it), and with `run_folder` that out_dir is not in use by another run and the resume setting fits it.
+    checked it), that a data.train file holds a usable conversation, and with `run_folder` that out_dir is not in
+    use by another run and the resume setting fits it.
     `--check-config` (run_folder=False) is for the other nodes of a multi-node launch, where node 0's run may
     already hold the run folder."""
     if run_folder:
         runtime.run_lock(Path(cfg.out_dir)).probe()
         check_run_folder(cfg, Path(cfg.out_dir))
+    if cfg.data.train and not cfg.data.regenerate_from and Path(cfg.data.train).is_file():
+        from draftlab.data import read_conversations
+
+        # one usable row is enough to know the file is not empty or of another format (the rest is read at start)
+        conversations, stats = read_conversations(cfg.data.train, strict=cfg.data.strict, limit=1)
+        if not conversations:
+            raise ConfigError(f"data.train {cfg.data.train} has no usable conversation ({stats}): check the file's "
+                              "format (messages / conversations / prompt+response)")
 
 
 def pad_id(tokenizer) -> int:
@@ -401,6 +410,10 @@ def restore(folder: Path, drafter, model, optimizer, scheduler, accelerator) -> 
         model.load_checkpoint(str(folder / DEEPSPEED_DIR), tag=DEEPSPEED_TAG, load_module_strict=False,
                               load_lr_scheduler_states=False)
         state.pop("optimizer", None)
+    elif runtime.is_fsdp(accelerator):  # whole tensors in the folder, scattered to the shards
+        weights = load_file(str(folder / ckpt.WEIGHTS_NAME)) if accelerator.is_main_process else {}
+        runtime.load_full_state(model, optimizer, weights, state.pop("optimizer") if accelerator.is_main_process
+                                else {})
     else:
         drafter.load_state_dict(load_file(str(folder / ckpt.WEIGHTS_NAME)), strict=False)
         optimizer.load_state_dict(state.pop("optimizer"))
@@ -475,18 +488,27 @@ def checkpoint_step(cfg, out_dir: Path, step: int, drafter, model, optimizer, sc
     if evaluator is not None:
         extra["eval.json"] = evaluate_step(cfg, out_dir, step, drafter, state, evaluator, accelerator, weights)
     rngs = runtime.gather_rng_states(accelerator)  # after the evaluation, which may draw from the main stream
+    optim_state = runtime.full_optimizer_state(model, optimizer) if runtime.is_fsdp(accelerator) else None
     if accelerator.is_main_process:
         ckpt.begin_save(folder)
     if runtime.is_deepspeed(accelerator):  # each rank writes its optimizer shard into the staging folder
         accelerator.wait_for_everyone()
-        model.save_checkpoint(str(ckpt.staging_folder(folder) / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
-                              exclude_frozen_parameters=True)
+        failure = None
+        try:
+            model.save_checkpoint(str(ckpt.staging_folder(folder) / DEEPSPEED_DIR), tag=DEEPSPEED_TAG,
+                                  exclude_frozen_parameters=True)
+        except Exception as e:  # DeepSpeed writes with torch.save: a full disk is a RuntimeError there
+            failure = ckpt.write_failure(e, folder)
+            if failure is None:
+                raise
+        if failure is not None:  # outside the handler, whose traceback still holds the half-written files
+            raise ckpt.failed_save(folder, *failure)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         trainer_state = {**state, "scheduler": scheduler.state_dict(), "rng": rngs,
                          "world_size": accelerator.num_processes, "batch_size": cfg.train.batch_size}
         if not runtime.is_deepspeed(accelerator):
-            trainer_state["optimizer"] = optimizer.state_dict()
+            trainer_state["optimizer"] = optim_state if optim_state is not None else optimizer.state_dict()
         ckpt.save_drafter(drafter, folder, extra_files=extra, trainer_state=trainer_state, state_dict=weights,
                           staged=True)
         calibration = json.loads(extra["eval.json"]).get("calibration") if extra else None

@@ -131,6 +131,34 @@ def test_training_on_a_disk_that_fills_up_stops_with_one_line_and_keeps_the_save
     assert ckpt.checkpoint_problem(out / "step_2", resumable=True) is None
 
 
+def test_a_full_disk_while_deepspeed_writes_its_shards_is_one_line_too(tiny_target_dir, tiny_chat_file, tmp_path,
+                                                                       monkeypatch, capsys):
+    """DeepSpeed's own checkpoint (each rank's optimizer shard, written with torch.save into the staging folder)
+    failing on a full disk: the same one line as draftlab's own files, the partial folder removed, step_2 kept."""
+    import draftlab.train as train
+    from draftlab import runtime
+
+    calls = {"n": 0}
+
+    def save_checkpoint(self, save_dir, tag=None, **kw):
+        calls["n"] += 1
+        Path(save_dir, tag).mkdir(parents=True)
+        if calls["n"] == 2:  # step_4's shards
+            return torch_fills_the_disk(None, Path(save_dir, tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+        Path(save_dir, tag, "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"shard")
+
+    monkeypatch.setattr(runtime, "is_deepspeed", lambda accelerator: True)
+    monkeypatch.setattr(train.DrafterLoss, "save_checkpoint", save_checkpoint, raising=False)
+    free_space(monkeypatch, 0)
+    out = tmp_path / "run"
+    capsys.readouterr()
+    assert cli.run_guarded(lambda: main(load_config(args(tiny_target_dir, tiny_chat_file, out)))) == 2
+    lines = error_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and f"no space left on device writing checkpoint {out / 'step_4'}" in lines[0], lines
+    assert f"intact checkpoints in {out}: step_2" in lines[0] and "train.resume=auto" in lines[0]
+    assert [p.name for p in ckpt.step_folders(out)] == ["step_2"] and not list(out.glob("*.tmp"))
+
+
 # --- outputs that cannot be written: refused before anything loads ----------------------------------------------
 
 def eval_argv(checkpoint, target_dir, prompts, *options) -> list[str]:

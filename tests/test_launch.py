@@ -23,7 +23,7 @@ LAUNCH_VARS = ("GPUS_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PO
 EXPECTED_STAGE = {"zero2.json": 2, "zero3.json": 3}
 
 
-def run_launch(*args: str, env: dict | None = None, gpus: int = 0) -> subprocess.CompletedProcess:
+def run_launch(*args: str, env: dict | None = None, gpus: int = 0, timeout: int = 30) -> subprocess.CompletedProcess:
     """Run launch.sh with the launch variables cleared, then set from env, and a fake nvidia-smi that sees
     `gpus` GPUs (0: it fails, as on a machine without a driver), so the real machine never changes the result."""
     fake_dir = Path(tempfile.mkdtemp(prefix="fake-smi-"))
@@ -35,7 +35,7 @@ def run_launch(*args: str, env: dict | None = None, gpus: int = 0) -> subprocess
     base["PATH"] = f"{fake_dir}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}"
     base.update(env or {})
     try:
-        return subprocess.run(["bash", str(LAUNCH), *args], env=base, capture_output=True, text=True, timeout=30)
+        return subprocess.run(["bash", str(LAUNCH), *args], env=base, capture_output=True, text=True, timeout=timeout)
     finally:
         shutil.rmtree(fake_dir, ignore_errors=True)
 
@@ -64,7 +64,7 @@ def test_help_documents_every_knob():
     out = run_launch("--help")
     assert out.returncode == 0
     for word in ("GPUS_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "ACCEL_CONFIG",
-                 "--deepspeed", "--cpu", "--dry-run", "recipe="):
+                 "--deepspeed", "--fsdp", "--cpu", "--dry-run", "recipe="):
         assert word in out.stdout, word
 
 
@@ -123,6 +123,45 @@ def test_cpu_two_processes():
     assert assignments == ["ACCELERATE_USE_CPU=true"]
 
 
+def test_deepspeed_on_cpu_processes():
+    """--cpu --deepspeed: DeepSpeed's config with two processes, and no ACCELERATE_USE_CPU (which would make
+    accelerate skip DeepSpeed and train as plain DDP)."""
+    for stage in ("zero2", "zero3"):
+        flags, script_args, assignments = dry_run("--cpu", "--deepspeed", stage, "recipe=eagle_head")
+        assert flags["config_file"] == str(ACCEL_DIR / f"deepspeed_{stage}.yaml")
+        assert flags["deepspeed_config_file"] == str(DS_DIR / f"{stage}.json")
+        assert flags["num_processes"] == "2"
+        assert assignments == [] and script_args == ["recipe=eagle_head"]
+
+
+def test_fsdp_on_gpus():
+    flags, _, assignments = dry_run("--fsdp", "recipe=eagle3_head", GPUS_PER_NODE="8")
+    assert flags["config_file"] == str(ACCEL_DIR / "fsdp.yaml") and flags["num_processes"] == "8"
+    assert "deepspeed_config_file" not in flags and assignments == []
+
+
+def test_fsdp_is_not_set_up_on_a_cpu_which_is_why_launch_refuses_it():
+    """What `--fsdp --cpu` is refused for: accelerate applies FSDP only on accelerator devices. In a process started
+    the way `accelerate launch` starts FSDP ranks, a CPU-only machine gets plain multi-CPU DDP (cpu=True) or no
+    distribution at all (cpu=False), never FSDP. If a later accelerate sets FSDP up on CPUs, this fails: then
+    allow --fsdp --cpu and test it like DeepSpeed."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: FSDP is set up there")
+    probe = ("import sys\nfrom accelerate import Accelerator\n"
+             "print(Accelerator(cpu=sys.argv[1] == 'cpu').distributed_type.value)\n")
+    env = {**os.environ, "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "LOCAL_RANK": "0", "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env.pop("ACCELERATE_USE_CPU", None)
+    got = {}
+    for mode in ("cpu", "auto"):
+        out = subprocess.run([sys.executable, "-c", probe, mode], env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        got[mode] = out.stdout.split()[-1]
+    assert got == {"cpu": "MULTI_CPU", "auto": "NO"}
+
+
 def test_accel_config_by_name_and_by_path(tmp_path):
     flags, _, _ = dry_run(ACCEL_CONFIG="multi_gpu", GPUS_PER_NODE="2")
     assert flags["config_file"] == str(ACCEL_DIR / "multi_gpu.yaml")
@@ -151,7 +190,9 @@ def test_gpu_count_from_nvidia_smi():
     ([], {"ACCEL_CONFIG": "missing/dir/config.yaml"}, "not found"),
     (["--deepspeed", "zero9"], {}, "zero2 or zero3"),
     (["--deepspeed"], {}, "zero2 or zero3"),
-    (["--deepspeed", "zero2", "--cpu"], {}, "--cpu"),
+    (["--fsdp", "--cpu"], {}, "--fsdp needs GPUs"),
+    (["--deepspeed", "zero2", "--fsdp"], {}, "--fsdp"),
+    (["--fsdp"], {"ACCEL_CONFIG": "multi_gpu"}, "ACCEL_CONFIG"),
     (["--deepspeed", "zero2"], {"ACCEL_CONFIG": "multi_gpu"}, "ACCEL_CONFIG"),
     ([], {"GPUS_PER_NODE": "0"}, "GPUS_PER_NODE"),
     ([], {"NNODES": "two"}, "NNODES"),
@@ -219,7 +260,9 @@ def test_deepspeed_json_parses_with_expected_stage(path):
     (["--cpu"], {}),
     (["--deepspeed", "zero2"], {"GPUS_PER_NODE": "8"}),
     (["--deepspeed", "zero3"], {"GPUS_PER_NODE": "8", "NNODES": "2"}),
-], ids=["1gpu", "8gpu", "2x8", "cpu", "zero2", "zero3"])
+    (["--cpu", "--deepspeed", "zero3"], {}),
+    (["--fsdp"], {"GPUS_PER_NODE": "8"}),
+], ids=["1gpu", "8gpu", "2x8", "cpu", "zero2", "zero3", "cpu-zero3", "fsdp"])
 def test_accelerate_accepts_the_printed_command(launch_args, env, monkeypatch):
     """accelerate's own argument validation (and DeepSpeed plugin checks) on the exact printed command."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
@@ -243,7 +286,9 @@ def test_accelerate_accepts_the_printed_command(launch_args, env, monkeypatch):
         plugin = DeepSpeedPlugin(hf_ds_config=args.deepspeed_config_file)
         plugin.set_mixed_precision("bf16")
         assert plugin.deepspeed_config["bf16"]["enabled"] is True
-        assert plugin.zero_stage == int(launch_args[1][-1])
+        assert plugin.zero_stage == int(launch_args[-1][-1])
+    if launch_args == ["--fsdp"]:
+        assert args.use_fsdp and str(args.fsdp_version) == "2"
 
 
 def _free_port() -> int:
@@ -272,3 +317,30 @@ def test_cpu_ddp_forms_a_two_process_gloo_group(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     lines = sorted(p.read_text() for p in tmp_path.glob("rank*.txt"))
     assert lines == ["0 2 MULTI_CPU ['key=a b']", "1 2 MULTI_CPU ['key=a b']"]
+
+
+def test_an_error_found_after_the_processes_started_is_one_line(tmp_path, tiny_target_dir, tiny_chat_file):
+    """Every conversation longer than data.max_length is found by the training processes, not by the check before
+    the launch: each rank meets it, the user sees its line once and launch.sh's line naming the rank, exit code 2,
+    no torchrun traceback."""
+    env = {"MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1",
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    out = run_launch("--cpu", "recipe=eagle_head", f"target.path={tiny_target_dir}", f"data.train={tiny_chat_file}",
+                     f"out_dir={tmp_path / 'run'}", "eval.every=0", "data.max_length=4", env=env, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("draftlab: error:")]
+    assert len(errors) == 1 and "data.max_length" in errors[0], out.stderr[-3000:]
+    assert "launch.sh: training stopped: rank" in out.stderr and "exited with code 2" in out.stderr
+    assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr
+
+
+def test_an_empty_data_file_is_refused_before_the_launch(tmp_path, tiny_target_dir):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    out = run_launch("--cpu", "recipe=eagle_head", f"target.path={tiny_target_dir}", f"data.train={empty}",
+                     f"out_dir={tmp_path / 'run'}", "eval.every=0", env={"PATH": os.path.dirname(sys.executable) + os.pathsep
+                                                         + os.environ.get("PATH", "")})
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("draftlab: error: data.train") and "no usable" in lines[0]
+    assert not (tmp_path / "run").exists()
