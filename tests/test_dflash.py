@@ -349,16 +349,17 @@ def test_recipe_trains_resumes_bit_identically_and_evaluates(tiny_target_dir, ti
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_packed_rows_train(tiny_target_dir, tiny_chat_file, tiny_prompt_file, tmp_path):
+@pytest.mark.parametrize("extra", [["train.pack_tokens=400"], ["data.store={tmp}/store"]], ids=["packed", "store"])
+def test_packed_rows_and_an_offline_store_train(tiny_target_dir, tiny_chat_file, tiny_prompt_file, tmp_path, extra):
     from draftlab.config import load_config
     from draftlab.train import main
 
-    out = tmp_path / "packed"
+    out = tmp_path / "run"
     summary = main(load_config(_args(tiny_target_dir, tiny_chat_file, tiny_prompt_file, out, "train.max_steps=2",
-                                     "eval.every=0", "train.pack_tokens=400")))
+                                     "eval.every=0", "tracking=jsonl", *[e.format(tmp=tmp_path) for e in extra])))
     assert summary["steps"] == 2
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
+    assert rows and all(math.isfinite(r["loss"]) and r["accept"] >= 1 for r in rows if "loss" in r)
 
 
 def test_export_round_trip_gives_the_same_tau(tiny_target, tiny_target_dir, tiny_prompt_file, tmp_path, capsys):
