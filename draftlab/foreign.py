@@ -140,7 +140,8 @@ def detect_format(config: dict, shapes: dict[str, list[int]], folder: Path) -> s
     if fc[1] == 2 * fc[0] > 0 and any(n.startswith("layers.") for n in shapes):   # FC over [embedding; feature]
         return "eagle"
     raise CheckpointError(f"{folder} is not a drafter draftlab can read: no {CONFIG_NAME} (draftlab), and its "
-                          "config.json is neither speculators EAGLE-3, official EAGLE-1/2/3 nor Medusa heads, nor DFlash")
+                          "config.json is neither speculators EAGLE-3, official EAGLE-1/2/3 nor Medusa heads, "
+                          "nor DFlash")
 
 
 # ----------------------------------------------------------------------------------------------------------
