@@ -63,6 +63,8 @@ def arguments():
                     help="where the GGUF files, exports and draftlab reports go")
     ap.add_argument("--quick", action="store_true", help="3 MT-bench prompts, 64 tokens, k=3, 2 repeats")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--prepare-only", action="store_true", help="make the GGUF files, exports and draftlab eval "
+                    "reports (no llama.cpp tools needed), then stop")
     args = ap.parse_args()
     if args.quick:
         args.sets, args.num_prompts, args.max_new_tokens = "mtbench", 3, 64
@@ -118,7 +120,7 @@ def export_gguf(run: str | Path, target_folder: str, target_gguf: Path, out: Pat
 def draftlab_tau(export: Path, target_folder: str, prompts: str, args, k: int, work: Path, name: str) -> float:
     from draftlab.cli import main
 
-    report = work / f"draftlab_{name}_k{k}.json"
+    report = work / f"draftlab_{name}_k{k}_{args.num_prompts or 'all'}x{args.max_new_tokens}.json"
     if not report.is_file():
         argv = ["eval", "--checkpoint", str(export), "--target", target_folder, "--prompts", prompts, "--out",
                 str(report), "--draft-length", str(k), "--max-new-tokens", str(args.max_new_tokens)]
@@ -183,7 +185,7 @@ def main() -> None:
 
     args = arguments()
     tools = lct.find_tools()
-    if not tools:
+    if not tools and not args.prepare_only:
         raise SystemExit(f"llama.cpp's tools are not built (looked in {lct.cache_dir()}): run `draftlab engine build`")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -211,6 +213,12 @@ def main() -> None:
         exports[name] = export
         drafters[name] = (info["spec_type"], export / info["draft"])
 
+    draftlab = {(name, k, set_name): draftlab_tau(exports[name], target_folder, SETS.get(set_name, set_name), args,
+                                                  k, work, f"{name}_{set_name}")
+                for name in exports for k in ks for set_name in sets}
+    if args.prepare_only:
+        log(f"prepared in {work}: " + ", ".join(f"{n} k={k} {s}: tau {t:.3f}" for (n, k, s), t in draftlab.items()))
+        return
     costs = cost_model(tools, target_gguf, args.threads, max(ks))
     started = time.time()
     results = run_rows(tools, args, sets, target_gguf, drafters, ks, work)
@@ -221,14 +229,11 @@ def main() -> None:
         served = entry["served"]
         draft_ms = [s.draft_ms for s in served if s.draft_ms is not None]
         draft_tokens = [s.draft_tokens for s in served if s.draft_ms is not None]
-        prompts_file = SETS.get(set_name, set_name)
         row = {
             "drafter": name, "spec_type": spec_type or "none (target-only)", "draft_length": k,
             "prompt_set": set_name, "num_prompts": len(served),
             "served_acceptance_length": round(sum(s.tokens for s in served) / sum(len(s.rounds) for s in served), 4),
-            "draftlab_acceptance_length": (round(draftlab_tau(exports[name], target_folder, prompts_file, args, k,
-                                                              work, f"{name}_{set_name}"), 4)
-                                           if name in exports else None),
+            "draftlab_acceptance_length": (round(draftlab[(name, k, set_name)], 4) if name in exports else None),
             "tokens_per_second": round(statistics.median(entry["tps"]), 2),
             "target_only_tokens_per_second": round(statistics.median(base["tps"]), 2),
             "speedup": round(statistics.median(speedups), 3), "speedup_min": round(min(speedups), 3),

@@ -106,13 +106,18 @@ def converter_command(draft_dir: Path, outfile: Path, outtype: str, target_dir: 
 
 
 def run_converter(draft_dir: Path, outfile: Path, outtype: str, target_dir: Path | None, what: str) -> None:
-    argv, env = converter_command(draft_dir, outfile, outtype, target_dir)
+    """Convert into outfile (written under a temporary name and renamed, so a stopped conversion leaves no file
+    that looks finished); a failure is one HubError line naming the converter's log."""
+    partial = outfile.with_name(outfile.name + ".partial")
+    argv, env = converter_command(draft_dir, partial, outtype, target_dir)
     done = subprocess.run(argv, env=env, capture_output=True, text=True)
     log = outfile.with_suffix(".convert.log")
-    if done.returncode != 0 or not outfile.is_file():
+    if done.returncode != 0 or not partial.is_file():
+        partial.unlink(missing_ok=True)
         log.write_text(done.stdout + done.stderr)
         last = ([line for line in done.stderr.strip().splitlines() if line.strip()] or ["no output"])[-1]
         raise HubError(f"llama.cpp's converter failed on {what} ({last[:300]}); its output: {log}")
+    os.replace(partial, outfile)
 
 
 def target_files(src) -> tuple[Path | None, Path | None]:

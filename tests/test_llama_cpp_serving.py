@@ -139,8 +139,13 @@ def served(tools, tiny_tokenizer, tmp_path_factory):
         answers.append(model.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                       max_new_tokens=48, do_sample=False, eos_token_id=None,
                                       pad_token_id=tok.pad_token_id)[0])
-    drafters = {"eagle3": trained_eagle3(model, answers),
-                "small_lm": SmallLM.from_target(model, SimpleNamespace(target_layers=[0, 3]), tok)}
+    # a small_lm of all the target's layers, perturbed so that it agrees with the target often, not always
+    small = SmallLM.from_target(model, SimpleNamespace(target_layers=[0, 1, 2, 3]), tok)
+    noise = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in small.model.model.layers.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=noise))
+    drafters = {"eagle3": trained_eagle3(model, answers), "small_lm": small}
     wrapper = root / "convert_any_bpe.py"
     wrapper.write_text(CONVERTER_WRAPPER)
     os.environ["DRAFTLAB_GGUF_CONVERTER"] = str(wrapper)
