@@ -68,6 +68,15 @@ def test_defaults_follow_the_method(target):
         _drafter(model, target_layers=[3])           # the last layer's output is the final-norm state
 
 
+def test_a_chain_longer_than_the_block_is_refused_before_loading():
+    from draftlab.config import load_config
+    from draftlab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="draft_length=5 exceeds the 3 tokens"):
+        load_config(["recipe=dflash_head", "drafter.block_size=4", "eval.draft_length=5", "target.path=x",
+                     "data.train=y"])
+
+
 def test_block_mask_keeps_context_causal_and_blocks_apart():
     docs = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2, 0, 0]])            # two packed conversations, then padding
     anchors, keep = torch.tensor([[2, 5, 0]]), torch.tensor([[True, True, False]])
