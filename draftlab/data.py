@@ -417,7 +417,8 @@ def parse_prompt(row: object, default_id: str) -> Prompt:
 def load_prompts(path: str, limit: int | None = None) -> list[Prompt]:
     """Read a prompt file (.jsonl or .json list); the first malformed row or a repeated id raises DataError."""
     if not os.path.isfile(os.path.expanduser(str(path))):
-        raise DataError(f"prompt file {path} does not exist: pass a .jsonl file with `messages` or `prompt` rows")
+        what = "is a folder" if os.path.isdir(os.path.expanduser(str(path))) else "does not exist"
+        raise DataError(f"prompt file {path} {what}: pass a .jsonl file with `messages` or `prompt` rows")
     prompts, seen = [], set()
     for n, (where, row) in enumerate(iter_rows(str(path))):
         if limit is not None and len(prompts) >= limit:

@@ -103,6 +103,7 @@ def train(cfg, out_dir: Path, accelerator) -> dict:
                   and runtime.shards_weights(accelerator) else None)
     model = DrafterLoss(drafter)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    params = [p for p in model.parameters() if p.requires_grad]  # FSDP replaces them with sharded ones
     # the initialisation above is the same on every process; from here on each rank draws its own noise
     set_seed(cfg.seed, device_specific=True)
 
@@ -411,9 +412,10 @@ def restore(folder: Path, drafter, model, optimizer, scheduler, accelerator) -> 
                               load_lr_scheduler_states=False)
         state.pop("optimizer", None)
     elif runtime.is_fsdp(accelerator):  # whole tensors in the folder, scattered to the shards
-        weights = load_file(str(folder / ckpt.WEIGHTS_NAME)) if accelerator.is_main_process else {}
-        runtime.load_full_state(model, optimizer, weights, state.pop("optimizer") if accelerator.is_main_process
-                                else {})
+        main = accelerator.is_main_process
+        optim_state = state.pop("optimizer")
+        runtime.load_full_state(model, optimizer, load_file(str(folder / ckpt.WEIGHTS_NAME)) if main else {},
+                                optim_state if main else {})
     else:
         drafter.load_state_dict(load_file(str(folder / ckpt.WEIGHTS_NAME)), strict=False)
         optimizer.load_state_dict(state.pop("optimizer"))

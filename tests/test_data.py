@@ -226,3 +226,13 @@ def test_shipped_prompt_files_load():
     mtbench = load_prompts(str(PROMPTS_DIR / "mtbench.jsonl"))
     assert len(mtbench) == 80 and all(p.turns and len(p.turns) == 2 and p.category for p in mtbench)
     assert all(p.messages[0]["content"] == p.turns[0] for p in mtbench)
+
+
+def test_a_prompt_file_that_is_a_folder_says_so(tmp_path):
+    from draftlab.data import load_prompts
+    from draftlab.errors import DataError
+
+    with pytest.raises(DataError, match="is a folder: pass a .jsonl file"):
+        load_prompts(str(tmp_path))
+    with pytest.raises(DataError, match="does not exist"):
+        load_prompts(str(tmp_path / "missing.jsonl"))

@@ -181,3 +181,25 @@ def test_a_deepspeed_launch_that_would_train_as_ddp_stops_with_one_line(tiny_tar
     assert len(errors) == 1 and "ACCELERATE_USE_CPU" in errors[0]
     assert "Traceback" not in proc.stderr
     assert not list(out.glob("step_*"))
+
+
+@pytest.mark.parametrize("kind_args", [
+    ["recipe=eagle3_head", "drafter.ttt_steps=2", "train.pack_tokens=0"],
+    ["recipe=distill_offline_blackbox", "data.regenerate_from=''", "drafter.num_layers=1"],
+], ids=["eagle3", "small_lm"])
+def test_other_kinds_train_under_zero3_like_one_process(kind_args, tiny_target_dir, tiny_chat_file, tiny_prompt_file,
+                                                        tmp_path):
+    """EAGLE-3 (three fused target layers) and a small LM (its own model, the target's embeddings copied in): the
+    target they read stays whole, their own weights are sharded, and they end where one process ends."""
+    def run_args(out, batch):
+        common = train_args(tiny_target_dir, tiny_chat_file, tiny_prompt_file, out, f"train.batch_size={batch}")
+        return [*kind_args, *(a for a in common[1:] if not a.startswith("drafter."))]  # in place of eagle_head's
+    proc = launch("--cpu", "--deepspeed", "zero3", *run_args(tmp_path / "zero3", 2))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    main(load_config(run_args(tmp_path / "one", 4)))
+    for step in (2, 4):
+        assert max_abs_diff(weights(tmp_path / "zero3", step), weights(tmp_path / "one", step)) < 1e-4
+        ev = json.loads((tmp_path / "zero3" / f"step_{step}" / "eval.json").read_text())
+        assert ev["lossless"] is True
+        assert ev["acceptance_length"] == pytest.approx(
+            json.loads((tmp_path / "one" / f"step_{step}" / "eval.json").read_text())["acceptance_length"])
