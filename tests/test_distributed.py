@@ -226,3 +226,26 @@ def test_two_process_resume_restores_every_rank(tiny_target_dir, tiny_chat_file,
     assert again.returncode == 0, again.stderr[-3000:]
     assert_close_weights(load_file(str(straight / "run" / "step_4" / ckpt.WEIGHTS_NAME)),
                          load_file(str(split / "run" / "step_4" / ckpt.WEIGHTS_NAME)), rtol=0, atol=0)
+
+
+def test_a_launch_whose_processes_did_not_form_its_group_is_one_line(monkeypatch):
+    """Each rank alone (world 1 where the launcher started 2), or DeepSpeed asked for and plain DDP set up: refused
+    before anything loads, naming what was asked and what was got."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from draftlab.config import ConfigError
+
+    alone = SimpleNamespace(num_processes=1, distributed_type=DistributedType.NO)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="started 2 processes but they did not form one group"):
+        runtime.check_world(alone, None)
+    ddp = SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_CPU)
+    runtime.check_world(ddp, None)
+    with pytest.raises(ConfigError, match="DeepSpeed was asked for but accelerate set up MULTI_CPU"):
+        runtime.check_world(ddp, "DeepSpeed")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert runtime.requested_sharding() == "DeepSpeed"
+    monkeypatch.delenv("WORLD_SIZE")
+    runtime.check_world(SimpleNamespace(num_processes=1, distributed_type=DistributedType.DEEPSPEED), "DeepSpeed")
