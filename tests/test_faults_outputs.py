@@ -23,24 +23,13 @@ from draftlab import cli, errors
 from draftlab.config import load_config
 from draftlab.errors import CheckpointError, DiskFullError
 from draftlab.train import main
+from test_faults import error_lines, keep_thread_count  # noqa: F401 (an autouse fixture)
 from test_resume import PAUSING_TRAINER, args
 
 ROOT = Path(__file__).resolve().parents[1]
 # what they really raise when the disk fills up (torch 2.x's zip writer, safetensors 0.4+; seen on a full tmpfs)
 TORCH_FULL = "[enforce fail at inline_container.cc:672] . unexpected pos 640 vs 598"
 SAFETENSORS_FULL = "Error while serializing: I/O error: No space left on device (os error 28)"
-
-
-@pytest.fixture(autouse=True)
-def keep_thread_count():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
-def error_lines(err: str) -> list[str]:
-    assert "Traceback" not in err, err[-3000:]
-    return [line for line in err.splitlines() if line.startswith("draftlab:")]
 
 
 def snapshot(folder: Path) -> dict:
