@@ -184,6 +184,9 @@ def main() -> None:
     from draftlab.data import encode_prompt, load_prompts
 
     args = arguments()
+    import torch
+
+    torch.set_num_threads(args.threads)   # draftlab eval on the same threads (two spinning threads crawl on a busy CPU)
     tools = lct.find_tools()
     if not tools and not args.prepare_only:
         raise SystemExit(f"llama.cpp's tools are not built (looked in {lct.cache_dir()}): run `draftlab engine build`")

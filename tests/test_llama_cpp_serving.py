@@ -26,7 +26,7 @@ PROMPTS = ["The quick brown fox", "def add(a, b):", "Numbers: 0 1 2 3 4", "Write
 
 # The tiny test tokenizer is a byte-level BPE with GPT-2's split rules that llama.cpp's converter does not know by
 # its hash (it knows real models' tokenizers, SmolLM2's included): this wrapper runs the pinned converter unchanged
-# except that an unrecognised BPE pre-tokenizer is taken for GPT-2's.
+# except that an unrecognised BPE pre-tokenizer is taken for GPT-2's (llama.cpp's "gpt-2").
 CONVERTER_WRAPPER = '''
 import runpy, sys
 from pathlib import Path
@@ -36,7 +36,7 @@ def any_bpe(self, tokenizer):
     try:
         return known(self, tokenizer)
     except NotImplementedError:
-        return "gpt2"
+        return "gpt-2"
 base.TextModel.get_vocab_base_pre = any_bpe
 script = Path(base.__file__).resolve().parents[1] / "convert_hf_to_gguf.py"
 sys.argv[0] = str(script)
