@@ -180,7 +180,10 @@ def head_checkpoint(tiny_target, tmp_path_factory):
     (["--repo-id", "me/ok", "--base-model", "not an id"], ["--base-model not an id is neither a Hub model id"]),
     (["--repo-id", "me/ok", "--revision", "my branch"], ["--revision 'my branch' is not a valid branch name"]),
     (["--repo-id", "me/ok", "--revision", "a..b"], ["--revision 'a..b'"]),
-    (["--format", "gguf", "--to", "/tmp/x"], ["draftlab push: error:", "invalid choice"]),
+    (["--format", "onnx", "--to", "/tmp/x"], ["draftlab push: error:", "invalid choice"]),
+    # an EAGLE-1 head has no GGUF form in llama.cpp: refused before anything is written
+    (["--format", "gguf", "--to", "/tmp/x"], ["--format gguf: llama.cpp serves no 'eagle' drafter exactly",
+                                              "nothing was written"]),
 ])
 def test_push_options_the_hub_would_reject(options, words, head_checkpoint, capsys):
     code, err = run_main(["push", head_checkpoint, *options], capsys)
