@@ -201,7 +201,7 @@ def main() -> None:
             text = tok.decode(encode_prompt(tok, p.messages).tolist(), skip_special_tokens=False)
             path = work / "prompts" / name / f"{i:03d}.txt"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+            lct.write_prompt(path, text)
             rows.append((text, path))
         sets[name] = rows
 

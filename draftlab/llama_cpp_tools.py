@@ -230,6 +230,13 @@ DECODED_RE = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 STATS_RE = re.compile(r"statistics\s+\S+: .*#gen tokens =\s*(\d+).*dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
 
 
+def write_prompt(path: str | Path, text: str) -> Path:
+    """The prompt file for -f: llama.cpp drops one trailing newline of a prompt file, and chat-templated prompts
+    end with one, so the file gets one more."""
+    Path(path).write_text(text + "\n")
+    return Path(path)
+
+
 def speculative_command(tools: dict, target_gguf: str | Path, prompt_file: str | Path, max_new_tokens: int, *,
                         draft_gguf: str | Path | None = None, spec_type: str | None = None, draft_length: int = 5,
                         threads: int = 1, extra: tuple[str, ...] = ()) -> list[str]:
@@ -237,7 +244,7 @@ def speculative_command(tools: dict, target_gguf: str | Path, prompt_file: str |
     token more than -n, so -n is max_new_tokens - 1."""
     cmd = [str(tools["llama-speculative-simple"]), "-m", str(target_gguf), "-f", str(prompt_file),
            "-n", str(max_new_tokens - 1), "--temp", "0", "--seed", "0", "-t", str(threads), "-tb", str(threads),
-           "-c", "4096", "-lv", "5", "--no-warmup"]
+           "-c", "4096", "-lv", "5"]
     if spec_type is None:
         cmd += TARGET_ONLY
     else:
@@ -248,7 +255,19 @@ def speculative_command(tools: dict, target_gguf: str | Path, prompt_file: str |
 
 
 def run_speculative(cmd: list[str], prompt_text: str, timeout: float = 600) -> Served:
-    """Run one speculative-simple command (from speculative_command) whose -f file holds prompt_text."""
+    """Run one speculative-simple command (from speculative_command) whose -f file holds prompt_text
+    (write_prompt). Its log is written by a background thread that can lose the last lines when the program exits,
+    so a run whose rounds do not add up to its token count is run again (up to 3 times)."""
+    for attempt in range(3):
+        served = _run_once(cmd, prompt_text, timeout)
+        if served and served.rounds and sum(a + 1 for a, _ in served.rounds) == served.tokens \
+                and served.draft_ms is not None:
+            return served
+    raise EngineError(f"llama-speculative-simple's log lost its last lines in 3 runs of {cmd[0]} (no 'decoded' or "
+                      "'statistics' line, or rounds that do not add up to the tokens)")
+
+
+def _run_once(cmd: list[str], prompt_text: str, timeout: float) -> Served | None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, errors="replace")
     log = done.stdout + "\n" + done.stderr
     if done.returncode != 0:
@@ -256,13 +275,13 @@ def run_speculative(cmd: list[str], prompt_text: str, timeout: float = 600) -> S
         raise EngineError(f"llama-speculative-simple failed (exit {done.returncode}): {tail[:400]}")
     decoded = DECODED_RE.search(log)
     if decoded is None:
-        raise EngineError("llama-speculative-simple printed no 'decoded N tokens' line: not the expected version")
+        return None
     rounds = [(int(a), int(n)) for a, n in ACCEPTED_RE.findall(log)]
-    # stdout: "\n\n", the prompt's tokens as text, the answer, "\n\n"
+    # stdout: "\n\n", the prompt's tokens as text, the answer, "\n\n" twice
     out = done.stdout
     start = out.find(prompt_text)
     text = out[start + len(prompt_text):] if start >= 0 else out
-    text = text[:-2] if text.endswith("\n\n") else text
+    text = text[:-4] if text.endswith("\n\n\n\n") else text
     stats = STATS_RE.findall(log)
     draft_ms = sum(float(g) for _, _, g, _ in stats) if stats else None
     return Served(text=text, rounds=rounds, tokens=int(decoded.group(1)), decode_seconds=float(decoded.group(2)),

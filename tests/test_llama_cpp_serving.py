@@ -150,6 +150,8 @@ def served(tools, tiny_tokenizer, tmp_path_factory):
     wrapper.write_text(CONVERTER_WRAPPER)
     os.environ["DRAFTLAB_GGUF_CONVERTER"] = str(wrapper)
     result = {"prompts": [], "answers": [], "rounds": {}, "reports": {}, "llama": {}, "exports": {}}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)      # the evaluations below crawl with two spinning threads on a busy 2-core machine
     try:
         for kind, drafter in drafters.items():
             run = save_run(root / f"run_{kind}", drafter, target_dir)
@@ -163,6 +165,7 @@ def served(tools, tiny_tokenizer, tmp_path_factory):
             result["rounds"][kind] = read_rounds(log)
     finally:
         os.environ.pop("DRAFTLAB_GGUF_CONVERTER", None)
+        torch.set_num_threads(threads)
     meta = json.loads((result["exports"]["eagle3"] / "export.json").read_text())
     target_gguf = result["exports"]["eagle3"] / meta["gguf"]["target"]
     rows = result["rounds"]["eagle3"]
@@ -177,8 +180,7 @@ def served(tools, tiny_tokenizer, tmp_path_factory):
     for kind in ("target", "eagle3", "small_lm"):
         runs = []
         for i, text in enumerate(result["prompts"]):
-            prompt_file = root / f"prompt_{i}.txt"
-            prompt_file.write_text(text)
+            prompt_file = lct.write_prompt(root / f"prompt_{i}.txt", text)
             if kind == "target":
                 cmd = lct.speculative_command(tools, target_gguf, prompt_file, NEW_TOKENS)
             else:
@@ -210,7 +212,8 @@ def test_served_answers_equal_target_only(served, tiny_tokenizer):
         target_only = served["llama"]["target"][i]
         assert target_only.text == expected, f"prompt {i}: llama.cpp target-only differs from draftlab's answer"
         for kind in ("eagle3", "small_lm"):
-            assert served["llama"][kind][i].text == target_only.text, f"prompt {i}: {kind} changed the answer"
+            # llama-speculative-simple may accept a draft past -n: its answer starts with the target-only one
+            assert served["llama"][kind][i].text.startswith(target_only.text), f"prompt {i}: {kind} changed it"
     assert all(r["lossless"] for r in served["reports"].values() if "lossless" in r)
 
 
