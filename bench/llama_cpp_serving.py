@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -222,6 +223,7 @@ def main() -> None:
     if args.prepare_only:
         log(f"prepared in {work}: " + ", ".join(f"{n} k={k} {s}: tau {t:.3f}" for (n, k, s), t in draftlab.items()))
         return
+    load_before = os.getloadavg()[0]
     costs = cost_model(tools, target_gguf, args.threads, max(ks))
     started = time.time()
     results = run_rows(tools, args, sets, target_gguf, drafters, ks, work)
@@ -256,6 +258,7 @@ def main() -> None:
                 "greedy": True, "quick": args.quick, "machine": platform.processor() or platform.machine(),
                 "llama_cpp": f"llama-cpp-python {lct.VERSION} sdist, {lct.cache_dir().name}",
                 "seconds": round(time.time() - started), "drafters": {k: str(v) for k, v in runs.items()},
+                "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                 "eagle3_row": "present" if args.eagle3 else "absent: no --eagle3 checkpoint was given"}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -269,7 +272,9 @@ def markdown(settings: dict, costs: dict, rows: list[dict]) -> str:
     lines = ["# draftlab drafters served by llama.cpp", "",
              f"Target {settings['target']} ({settings['target_gguf']}), {settings['threads']} thread(s), greedy, "
              f"{settings['max_new_tokens']} new tokens, {settings['repeats']} interleaved repeats, "
-             f"{settings['llama_cpp']}. EAGLE-3 row: {settings['eagle3_row']}.", "",
+             f"{settings['llama_cpp']}. EAGLE-3 row: {settings['eagle3_row']}. Load average (1 min) before / after: "
+             f"{settings['load_average_1min'][0]} / {settings['load_average_1min'][1]} on "
+             f"{os.cpu_count()} CPUs: above about 1, other processes share the cores and the timings are noise.", "",
              "| drafter | spec type | k | prompts | served tau | draftlab tau | tokens/s | target-only tokens/s | "
              "speedup (min-max) | identical | draft cost / token | break-even tau |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
