@@ -144,7 +144,7 @@ def served(tools, tiny_tokenizer, tmp_path_factory):
     noise = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in small.model.model.layers.parameters():
-            p.add_(0.01 * torch.randn(p.shape, generator=noise))
+            p.add_(0.003 * torch.randn(p.shape, generator=noise))
     drafters = {"eagle3": trained_eagle3(model, answers), "small_lm": small}
     wrapper = root / "convert_any_bpe.py"
     wrapper.write_text(CONVERTER_WRAPPER)
@@ -228,9 +228,9 @@ def test_served_acceptance_equals_draftlab_eval(served, kind):
         compared, differ = compared + c, differ + d
         accepted_served += sum(a for a, _ in served["llama"][kind][i].rounds)
     assert compared >= 3 * len(PROMPTS) and differ == 0, f"{differ} of {compared} aligned rounds differ"
-    assert accepted_served > 0, "nothing was accepted: the comparison says little"
     served_tau = (sum(s.tokens for s in served["llama"][kind])
                   / sum(len(s.rounds) for s in served["llama"][kind]))
+    assert accepted_served > 0 and served_tau > 1.1, f"tau {served_tau:.3f}: too little accepted to compare"
     draftlab_tau = served["reports"][kind]["acceptance_length"]
     assert abs(served_tau - draftlab_tau) <= 0.1 * draftlab_tau, (served_tau, draftlab_tau)
 
