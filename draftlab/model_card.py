@@ -230,6 +230,16 @@ def usage(meta: dict, reports) -> dict[str, str]:
                 "official Gumiho code": "The reference code (AMD-AIG-AIMA/Gumiho, gumiho/model/gumiho_model.py) reads "
                 f"pytorch_model.bin from this folder, with `--mlp_num {details.get('mlp_heads')}` and a depth of "
                 f"serial tokens + MLP heads on its command line." + fit}
+    if fmt_ == "dflash":    # z-lab's DFlashDraftModel layout (drafters/dflash.py); the engines were not run here
+        block = details.get("block_size", 16)
+        return {"SGLang": sh(f"python -m sglang.launch_server --model-path {base} --speculative-algorithm DFLASH \\\n"
+                             f"  --speculative-draft-model-path {repo}"),
+                "vLLM": sh(f"vllm serve {base} --speculative-config "
+                           f"'{{\"method\": \"dflash\", \"model\": \"{repo}\", \"num_speculative_tokens\": {block - 1}}}'"),
+                "llama.cpp": sh(f"python convert_hf_to_gguf.py {repo} --target-model-dir {base} --outfile draft.gguf\n"
+                                f"llama-server -m TARGET.gguf -md draft.gguf --spec-type draft-dflash "
+                                f"--spec-draft-n-max {block - 1}"),
+                "transformers": no_tf}
     if fmt_ == "hf":
         head_note = ("The acceptance head (acceptance_head/) sets the draft length adaptively (SpecDec++) only in "
                      "draftlab (`draftlab eval --checkpoint`); the engines below draft a fixed number of tokens with "

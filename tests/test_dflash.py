@@ -387,6 +387,8 @@ def test_export_round_trip_gives_the_same_tau(tiny_target, tiny_target_dir, tiny
     assert main(["push", str(run), "--to", str(export)]) == 0, capsys.readouterr().err
     config = json.loads((export / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
+    card = (export / "README.md").read_text()
+    assert "--speculative-algorithm DFLASH" in card and "--spec-type draft-dflash" in card
     assert config["dflash_config"] == {"block_size": 4, "mask_token_id": 9, "target_layer_ids": [0, 0]}
     from safetensors import safe_open
 
