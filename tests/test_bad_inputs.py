@@ -255,16 +255,19 @@ def test_training_data_all_too_long_says_so(tiny_target_dir, tmp_path, capsys):
 # --- launch.sh: the configuration is checked before the launcher starts ----------------------------------------
 
 def launch(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.CompletedProcess, list[str] | None]:
-    """launch.sh with a fake `accelerate` that records its arguments: (result, accelerate's argv or None)."""
+    """launch.sh with a Python that records the `accelerate launch` it is asked to run (launch.sh runs it as
+    `python -m draftlab.launcher ARGS`) and runs everything else, the check before the launch included:
+    (result, ["launch", *ARGS] or None)."""
     bin_dir, record = tmp_path / "bin", tmp_path / "accelerate_args"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "accelerate").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {record}\n')
-    (bin_dir / "accelerate").chmod(0o755)
+    fake = bin_dir / "python"
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = draftlab.launcher ]; then\n  shift 2\n'
+                    f'  printf "%s\\n" launch "$@" > {record}\n  exit 0\nfi\nexec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
     record.unlink(missing_ok=True)
     clean = {k: v for k, v in os.environ.items() if k not in ("GPUS_PER_NODE", "NNODES", "NODE_RANK", "ACCEL_CONFIG")}
     proc = subprocess.run(["bash", str(ROOT / "launch.sh"), *args], capture_output=True, text=True, timeout=300,
-                          env={**clean, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "GPUS_PER_NODE": "1",
-                               "PYTHON": sys.executable, **env})
+                          env={**clean, "GPUS_PER_NODE": "1", "PYTHON": str(fake), **env})
     return proc, record.read_text().splitlines() if record.exists() else None
 
 
