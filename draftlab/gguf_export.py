@@ -18,8 +18,7 @@ draft-simple drafts over the whole vocabulary).
 
 A kind plugs in with one `GgufKind` in GGUF_KINDS: its `--spec-type`, whether the converter needs the target's
 folder (drafts that borrow the target's tokenizer and embeddings: EAGLE-3, DFlash), the refusal check and any
-serving flags. DFlash would be `GgufKind("draft-dflash", needs_target=True, serve_args=("-fa", "on"))` once its
-export writes the DFlash (z-lab) layout the converter reads.
+serving flags (DFlash: `draft-dflash`, the target's folder, `-fa on`).
 """
 from __future__ import annotations
 
@@ -64,6 +63,9 @@ class GgufKind:
 GGUF_KINDS = {
     "eagle3": GgufKind("draft-eagle3", needs_target=True, problem=eagle3_problem),
     "small_lm": GgufKind("draft-simple", problem=small_lm_problem),
+    # DFlash (z-lab layout, drafters/dflash.py): the converter takes the target's tokenizer and token embeddings;
+    # llama.cpp's docs serve it with flash attention on
+    "dflash": GgufKind("draft-dflash", needs_target=True, serve_args=("-fa", "on")),
 }
 
 
