@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 import sys
 import threading
 
@@ -35,6 +36,12 @@ def main(argv: list[str] | None = None) -> int:
         code = failure.exitcode if failure.exitcode > 0 else 1
         how = f"was stopped by signal {-failure.exitcode}" if failure.exitcode < 0 else f"exited with code {code}"
         print(f"launch.sh: training stopped: rank {rank} {how} (its message is above)", file=sys.stderr)
+        return code
+    except subprocess.CalledProcessError as e:  # one process: accelerate runs it itself and raises this
+        relay.close()
+        code = e.returncode if e.returncode > 0 else 1
+        print(f"launch.sh: training stopped: the process exited with code {e.returncode} (its message is above)",
+              file=sys.stderr)
         return code
     except KeyboardInterrupt:
         relay.close()

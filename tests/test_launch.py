@@ -344,3 +344,17 @@ def test_an_empty_data_file_is_refused_before_the_launch(tmp_path, tiny_target_d
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("draftlab: error: data.train") and "no usable" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+def test_the_launcher_reports_a_single_failed_process_in_one_line(tmp_path):
+    """One process: accelerate runs it itself and raises CalledProcessError on failure; the launcher turns that into
+    one line and the process's exit code, like a failed rank of several."""
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nprint('draftlab: error: a mistake', file=sys.stderr)\nsys.exit(2)\n")
+    out = subprocess.run([sys.executable, "-m", "draftlab.launcher", "--num_processes", "1", "--cpu",
+                          "--mixed_precision", "no", "--num_machines", "1", "--dynamo_backend", "no", str(script)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and out.stderr.count("draftlab: error: a mistake") == 1
+    assert "launch.sh: training stopped: the process exited with code 2" in out.stderr
