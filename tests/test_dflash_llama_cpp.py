@@ -17,7 +17,7 @@ import torch
 
 from conftest import CORPUS, build_tiny_llama, chat_prompt
 from draftlab import llama_cpp_tools as lct
-from test_llama_cpp_serving import CONVERTER_WRAPPER, save_run, tools  # noqa: F401 (a fixture)
+from test_llama_cpp_serving import CONVERTER_WRAPPER, fit_to_answers, save_run, tools  # noqa: F401 (a fixture)
 
 K = 3
 NEW_TOKENS = 40
@@ -27,22 +27,10 @@ PROMPTS = ["The quick brown fox", "def add(a, b):", "Numbers: 0 1 2 3 4", "Write
 def fitted_dflash(model, answers, steps: int = 80):
     """A 2-layer DFlash drafter (blocks of 4) fitted to the target's greedy answers."""
     from draftlab.drafters.dflash import DFlashDrafter
-    from draftlab.target import target_features
 
     torch.manual_seed(0)
     drafter = DFlashDrafter.from_target(model, SimpleNamespace(num_layers=2, block_size=4, num_anchors=64))
-    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
-    drafter.train()
-    for step in range(steps):
-        ids = answers[step % len(answers)][None]
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
-        with torch.no_grad():
-            features = target_features(model(ids, output_hidden_states=True).hidden_states, drafter.feature_layers)
-        loss, _ = drafter.loss(batch, features)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return drafter.eval()
+    return fit_to_answers(drafter, model, answers, steps)
 
 
 @pytest.fixture(scope="module")

@@ -92,25 +92,31 @@ def tools():
     return found
 
 
-def trained_eagle3(model, answers, steps: int = 40):
-    """An EAGLE-3 head (norm_output=false) fitted for a few steps to the target's own greedy answers."""
-    from draftlab.drafters.eagle3 import EagleHead3
+def fit_to_answers(drafter, model, answers, steps: int):
+    """The drafter fitted for a few Adam steps to the target's own greedy answers (one answer a step)."""
     from draftlab.target import target_features
 
-    torch.manual_seed(0)
-    head = EagleHead3.from_target(model, SimpleNamespace(norm_output=False, ttt_steps=3))
-    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
-    head.train()
+    opt = torch.optim.Adam([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    drafter.train()
     for step in range(steps):
         ids = answers[step % len(answers)][None]
         batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
         with torch.no_grad():
-            features = target_features(model(ids, output_hidden_states=True).hidden_states, head.feature_layers)
-        loss, _ = head.loss(batch, features)
+            features = target_features(model(ids, output_hidden_states=True).hidden_states, drafter.feature_layers)
+        loss, _ = drafter.loss(batch, features)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return head.eval()
+    return drafter.eval()
+
+
+def trained_eagle3(model, answers, steps: int = 40):
+    """An EAGLE-3 head (norm_output=false) fitted for a few steps to the target's own greedy answers."""
+    from draftlab.drafters.eagle3 import EagleHead3
+
+    torch.manual_seed(0)
+    return fit_to_answers(EagleHead3.from_target(model, SimpleNamespace(norm_output=False, ttt_steps=3)), model,
+                          answers, steps)
 
 
 @pytest.fixture(scope="module")
