@@ -250,8 +250,9 @@ def test_sampled_speculation_emits_the_target_distribution():
     joint distribution (statistical test; drafts drawn independently per block position)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from test_draft_vocab import V, _exact_joint  # the exact joint of two emitted tokens over a V-token target
+
     torch.manual_seed(0)
-    V = 6
     model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                          tie_word_embeddings=False)).eval()
@@ -262,15 +263,7 @@ def test_sampled_speculation_emits_the_target_distribution():
             p.add_(0.3 * torch.randn_like(p))
     sampling, spec = Sampling(temperature=1.0), TreeSpec(kind="chain", draft_length=2)
     prompt = torch.tensor([1, 4, 2])
-    joint = torch.zeros(V, V)
-    with torch.no_grad():
-        p0 = sampling.probs(model(prompt[None]).logits[0, -1])
-        for a in range(V):
-            p1 = sampling.probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1])
-            for b in range(V):
-                p2 = sampling.probs(model(torch.cat([prompt, torch.tensor([a, b])])[None]).logits[0, -1])
-                joint[b] += p0[a] * p1[b] * p2
-    expected = joint.flatten()
+    expected = _exact_joint(model, prompt, sampling).flatten()
     n, counts, accepted = 1000, torch.zeros(V * V), 0
     for i in range(n):
         out = speculative_generate(model, drafter.proposer(model), prompt, spec, sampling, 3,

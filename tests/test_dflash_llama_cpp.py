@@ -15,13 +15,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import CORPUS, build_tiny_llama, chat_prompt
+from conftest import CORPUS, chat_prompt
 from draftlab import llama_cpp_tools as lct
-from test_llama_cpp_serving import CONVERTER_WRAPPER, fit_to_answers, save_run, tools  # noqa: F401 (a fixture)
+from test_llama_cpp_serving import (CONVERTER_WRAPPER, PROMPTS, fit_to_answers, save_run,  # noqa: F401
+                                    tiny_target_and_prompts, tools)  # tools: a fixture
 
 K = 3
 NEW_TOKENS = 40
-PROMPTS = ["The quick brown fox", "def add(a, b):", "Numbers: 0 1 2 3 4", "Write a short poem about the sea"]
 
 
 def fitted_dflash(model, answers, steps: int = 80):
@@ -41,13 +41,7 @@ def served(tools, tiny_tokenizer, tmp_path_factory):  # noqa: F811 (the imported
 
     root = tmp_path_factory.mktemp("dflash_llama_cpp")
     tok = tiny_tokenizer
-    model = build_tiny_llama(tok, layers=4).requires_grad_(False)
-    target_dir = root / "target"
-    model.save_pretrained(target_dir)
-    tok.save_pretrained(target_dir)
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
-                               for i, p in enumerate(PROMPTS)))
+    model, target_dir, prompts = tiny_target_and_prompts(root, tok)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices on a shared 2-core machine
     os.environ["DRAFTLAB_GGUF_CONVERTER"] = str(root / "convert_any_bpe.py")

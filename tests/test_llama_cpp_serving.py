@@ -92,6 +92,18 @@ def tools():
     return found
 
 
+def tiny_target_and_prompts(root, tok):
+    """(model, its saved folder, the prompt file of PROMPTS): the 4-layer tiny target the llama.cpp tests serve."""
+    model = build_tiny_llama(tok, layers=4).requires_grad_(False)
+    target_dir = root / "target"
+    model.save_pretrained(target_dir)
+    tok.save_pretrained(target_dir)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
+                               for i, p in enumerate(PROMPTS)))
+    return model, target_dir, prompts
+
+
 def fit_to_answers(drafter, model, answers, steps: int):
     """The drafter fitted for a few Adam steps to the target's own greedy answers (one answer a step)."""
     from draftlab.target import target_features
@@ -132,13 +144,7 @@ def served(tools, tiny_tokenizer, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("llama_cpp")
     tok = tiny_tokenizer
-    model = build_tiny_llama(tok, layers=4).requires_grad_(False)
-    target_dir = root / "target"
-    model.save_pretrained(target_dir)
-    tok.save_pretrained(target_dir)
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
-                               for i, p in enumerate(PROMPTS)))
+    model, target_dir, prompts = tiny_target_and_prompts(root, tok)
     answers = []
     for text in CORPUS[:6]:
         ids = chat_prompt(tok, text)
