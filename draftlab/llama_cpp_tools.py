@@ -11,6 +11,13 @@ tools with cmake, all under one cache folder per version and CPU:
         build/bin/      llama-server, llama-speculative-simple, llama-bench and their shared libraries
         complete.json   written last: the tools are there (what find_tools() checks)
 
+Two builds: `stock` (llama.cpp's own defaults, what users run) and `exact` (`draftlab engine build --exact`,
+folder `<version>-<cpu key>-exact`): the same with `GGML_LLAMAFILE=OFF`. The stock CPU backend multiplies a batch of
+2 or more tokens with llamafile's tiled sgemm and a single token with ggml's dot products, so a verification
+forward and a one-token decode step sum in different orders; where the target's two best tokens are within about
+1e-3 in logit, speculative decoding then emits another token than target-only decoding. With llamafile off every
+token's products are the same dot products whatever the batch, and the served output equals target-only's.
+
 The CPU key hashes /proc/cpuinfo's flags, because `GGML_NATIVE=ON` compiles for this CPU's instruction set. A build
 that stops half-way resumes where it stopped (cmake and ninja only redo what is missing); a finished one returns at
 once. `DRAFTLAB_LLAMA_CPP_CACHE` moves the cache root.
@@ -37,6 +44,7 @@ from draftlab.errors import HubError
 VERSION = "0.3.36"  # the llama-cpp-python release of pyproject.toml's `engine` extra
 TOOLS = ("llama-server", "llama-speculative-simple", "llama-bench")
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON")
+VARIANTS = {"stock": (), "exact": ("-DGGML_LLAMAFILE=OFF",)}  # extra cmake flags per build (module docstring)
 
 
 class EngineError(HubError):
@@ -58,27 +66,34 @@ def cache_root() -> Path:
     return Path(os.environ.get("DRAFTLAB_LLAMA_CPP_CACHE") or Path.home() / ".cache" / "draftlab" / "llama.cpp")
 
 
-def cache_dir(version: str = VERSION) -> Path:
-    return cache_root() / f"{version}-{cpu_key()}"
+def cache_dir(version: str = VERSION, variant: str = "stock") -> Path:
+    if variant not in VARIANTS:
+        raise EngineError(f"unknown llama.cpp build '{variant}': use one of {', '.join(VARIANTS)}")
+    return cache_root() / (f"{version}-{cpu_key()}" + ("" if variant == "stock" else f"-{variant}"))
 
 
-def find_tools(version: str = VERSION) -> dict[str, Path] | None:
+def find_tools(version: str = VERSION, variant: str = "stock") -> dict[str, Path] | None:
     """The built tools by name (plus "src", the llama.cpp tree), or None when `draftlab engine build` has not
     finished here."""
-    root = cache_dir(version)
+    root = cache_dir(version, variant)
     if not (root / "complete.json").exists():
         return None
     tools = {name: root / "build" / "bin" / name for name in TOOLS}
     if not all(p.exists() for p in tools.values()):
         return None
-    return {**tools, "src": root / "src"}
+    return {**tools, "src": source_dir(version)}
+
+
+def source_dir(version: str = VERSION) -> Path:
+    """Where the llama.cpp tree is unpacked: in the stock build's folder, shared by every build."""
+    return cache_dir(version) / "src"
 
 
 def source(version: str = VERSION, log=print) -> Path:
     """The llama.cpp tree of llama-cpp-python `version`'s sdist (downloaded and unpacked once): the converter
     needs only this, not the built tools."""
     root = cache_dir(version)
-    src = root / "src"
+    src = source_dir(version)
     if (src / "convert_hf_to_gguf.py").exists():
         return src
     root.mkdir(parents=True, exist_ok=True)
@@ -134,27 +149,28 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def build(version: str = VERSION, jobs: int = 2, log=print) -> dict[str, Path]:
+def build(version: str = VERSION, jobs: int = 2, log=print, variant: str = "stock") -> dict[str, Path]:
     """Build (or finish building) the tools; returns find_tools()'s map. Raises EngineError, one line, when cmake
     or a compiler is missing or the build fails (the log's path is in the message)."""
-    found = find_tools(version)
+    found = find_tools(version, variant)
     if found:
         return found
     missing = missing_build_tools()
     if missing:
         raise EngineError(f"cannot build llama.cpp's tools: {missing}")
-    root = cache_dir(version)
+    root = cache_dir(version, variant)
+    flags = CMAKE_FLAGS + VARIANTS[variant]
     with _locked(root / ".build.lock"):
-        found = find_tools(version)  # another process may have finished it while we waited
+        found = find_tools(version, variant)  # another process may have finished it while we waited
         if found:
             return found
         src = source(version, log)
         build_dir = root / "build"
         log_path = root / "build.log"
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        steps = [["cmake", "-S", str(src), "-B", str(build_dir), *generator, *CMAKE_FLAGS],
+        steps = [["cmake", "-S", str(src), "-B", str(build_dir), *generator, *flags],
                  ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *TOOLS]]
-        log(f"building {', '.join(TOOLS)} from llama.cpp ({version}) in {root}, -j{jobs}; log: {log_path} "
+        log(f"building {', '.join(TOOLS)} from llama.cpp ({version}, {variant}) in {root}, -j{jobs}; log: {log_path} "
             "(about 12 minutes of CPU)")
         start = time.time()
         with open(log_path, "a") as out:
@@ -164,30 +180,34 @@ def build(version: str = VERSION, jobs: int = 2, log=print) -> dict[str, Path]:
                 if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
                     raise EngineError(f"building llama.cpp failed at `{' '.join(cmd[:3])} ...`: see {log_path}")
         (root / "complete.json").write_text(json.dumps(
-            {"llama_cpp_python": version, "cpu_key": cpu_key(), "tools": list(TOOLS), "cmake_flags": list(CMAKE_FLAGS),
+            {"llama_cpp_python": version, "cpu_key": cpu_key(), "tools": list(TOOLS), "cmake_flags": list(flags),
+             "variant": variant,
              "seconds": round(time.time() - start, 1)}, indent=1) + "\n")
-    found = find_tools(version)
+    found = find_tools(version, variant)
     if not found:
         raise EngineError(f"the llama.cpp build finished but {', '.join(TOOLS)} are not all in {root / 'build/bin'}")
     return found
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m draftlab.llama_cpp_tools [build|where]` (the same as `draftlab engine ...`)."""
+    """`python -m draftlab.llama_cpp_tools [build|where] [--exact]` (the same as `draftlab engine ...`)."""
     from draftlab.errors import run_guarded
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    what = argv[0] if argv else "build"
+    variant = "exact" if "--exact" in argv else "stock"
+    words = [a for a in argv if a != "--exact"]
+    what = words[0] if words else "build"
 
     def run():
         if what == "build":
-            tools = build()
-            print(f"llama.cpp tools ready in {tools['llama-server'].parent}")
+            tools = build(variant=variant)
+            print(f"llama.cpp tools ({variant} build) ready in {tools['llama-server'].parent}")
         elif what == "where":
-            tools = find_tools()
-            print(tools["llama-server"].parent if tools else f"not built (would be in {cache_dir()})")
+            tools = find_tools(variant=variant)
+            print(tools["llama-server"].parent if tools else f"not built (would be in {cache_dir(variant=variant)})")
         else:
-            raise EngineError(f"unknown engine command '{what}': use build or where")
+            raise EngineError(f"unknown engine command '{what}': use build or where (--exact: the batch-invariant "
+                              "build)")
     return run_guarded(run)
 
 

@@ -86,9 +86,11 @@ def test_small_lm_with_a_reduced_vocabulary_is_refused(tiny_target_4_layers, tmp
 
 @pytest.fixture(scope="module")
 def tools():
-    found = lct.find_tools()
+    """The batch-invariant build (`draftlab engine build --exact`, what CI builds), else the stock one."""
+    found = lct.find_tools(variant="exact") or lct.find_tools()
     if not found:
-        pytest.skip(f"llama.cpp's tools are not built here (looked in {lct.cache_dir()}): run `draftlab engine build`")
+        pytest.skip(f"llama.cpp's tools are not built here (looked in {lct.cache_dir(variant='exact')}): run "
+                    "`draftlab engine build --exact`")
     return found
 
 
@@ -250,6 +252,22 @@ def test_served_acceptance_equals_draftlab_eval(served, kind):
 def test_engine_build_is_instant_once_built(tools):
     import time
 
+    variant = "exact" if lct.find_tools(variant="exact") == tools else "stock"
     start = time.time()
-    assert lct.build() == tools
+    assert lct.build(variant=variant) == tools
     assert time.time() - start < 5
+
+
+def test_engine_builds_are_kept_apart(tmp_path, monkeypatch, capsys):
+    """The exact build (llamafile off) has its own folder and flags; `engine where --exact` names it; an unknown
+    build is one line."""
+    monkeypatch.setenv("DRAFTLAB_LLAMA_CPP_CACHE", str(tmp_path))
+    stock, exact = lct.cache_dir(), lct.cache_dir(variant="exact")
+    assert stock.parent == exact.parent == tmp_path and exact.name == stock.name + "-exact"
+    assert lct.VARIANTS["exact"] == ("-DGGML_LLAMAFILE=OFF",) and lct.VARIANTS["stock"] == ()
+    assert lct.source_dir() == stock / "src"                      # one unpacked source for both builds
+    assert lct.find_tools(variant="exact") is None
+    assert lct.main(["where", "--exact"]) == 0
+    assert capsys.readouterr().out.strip() == f"not built (would be in {exact})"
+    with pytest.raises(lct.EngineError, match="unknown llama.cpp build 'fast'"):
+        lct.cache_dir(variant="fast")

