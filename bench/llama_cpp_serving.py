@@ -78,6 +78,14 @@ def arguments():
     ap.add_argument("--p-min", default="0.3,0.6", help="sweep phase: --spec-draft-p-min values for the EAGLE-3 head")
     ap.add_argument("--sweep-prompts", type=int, default=12, help="sweep phase: first N MT-bench prompts (0: no sweep)")
     ap.add_argument("--sweep-repeats", type=int, default=2)
+    ap.add_argument("--sweep-draftlab", action=argparse.BooleanOptionalAction, default=False,
+                    help="also score the sweep's rows with draftlab's evaluator (off: the main rows only)")
+    ap.add_argument("--main-rows", default="mtbench:target-only,eagle3,small_lm,dflash,ngram,combined;"
+                    "humaneval:target-only,eagle3,ngram",
+                    help="main phase rows per set (ngram: the sweep's fastest n-gram method; combined: it in front "
+                         "of the EAGLE-3 head)")
+    ap.add_argument("--main-draftlab", default="mtbench:eagle3,small_lm,dflash",
+                    help="main rows scored by draftlab's evaluator too, per set")
     ap.add_argument("--ngram", default=",".join(NGRAMS))
     ap.add_argument("--repeats", type=int, default=2, help="main phase: interleaved repeats")
     ap.add_argument("--threads", type=int, default=1, help="threads of each llama.cpp process")
@@ -201,7 +209,7 @@ def llama_bench(tools, models: list[Path], threads: list[int], max_n: int, extra
 
     sizes = ",".join(str(n) for n in range(1, max_n + 1))
     cmd = [str(tools["llama-bench"]), "-m", ",".join(str(m) for m in models), "-t", ",".join(map(str, threads)),
-           "-p", sizes, "-n", "32", "-r", "3", "-o", "json", *extra]
+           "-p", sizes, "-n", "32", "-r", "3", "-o", "json", *extra]   # a later -r wins
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1:] or ["llama-bench failed"], "command": " ".join(cmd)}
@@ -227,19 +235,21 @@ def cost_sweep(tools_by_build: dict, target_folder: str, work: Path, max_n: int)
         models[outtype] = path
     rows = []
     for build, tools in tools_by_build.items():
-        for ub in (1, 512):
-            for fa in ("off", "on"):
-                got = llama_bench(tools, list(models.values()), [1, 2], max_n, ("-ub", str(ub), "-fa", fa))
-                if "error" in got:
-                    rows.append({"build": build, "micro_batch": ub, "flash_attn": fa, "error": got["error"]})
-                    continue
-                groups = {}
-                for t in got["tests"]:
-                    groups.setdefault((Path(t["model_filename"]).name, t["n_threads"]), []).append(t)
-                for (model, nt), tests in sorted(groups.items()):
-                    rows.append({"build": build, "target_type": model.removeprefix("target-").removesuffix(".gguf"),
-                                 "threads": nt, "micro_batch": ub, "flash_attn": fa, **costs_of(tests)})
-                log(f"cost sweep: {build} -ub {ub} -fa {fa} done")
+        runs = [(list(models.values()), [1, 2], ("-fa", "off,on")),          # type x threads x flash attention
+                ([models["f32"]], [1], ("-ub", "1,2,4", "-fa", "off"))]          # micro-batch
+        for paths, threads, extra in runs:
+            got = llama_bench(tools, paths, threads, max_n, extra + ("-r", "2"))
+            if "error" in got:
+                rows.append({"build": build, "args": " ".join(extra), "error": got["error"]})
+                continue
+            groups = {}
+            for t in got["tests"]:
+                key = (Path(t["model_filename"]).name, t["n_threads"], t["n_ubatch"], bool(t["flash_attn"]))
+                groups.setdefault(key, []).append(t)
+            for (model, nt, ub, fa), tests in sorted(groups.items()):
+                rows.append({"build": build, "target_type": model.removeprefix("target-").removesuffix(".gguf"),
+                             "threads": nt, "micro_batch": ub, "flash_attn": "on" if fa else "off", **costs_of(tests)})
+            log(f"cost sweep: {build} {' '.join(extra)} done")
     return rows
 
 
@@ -261,13 +271,13 @@ def decode_all(tools, args, prompts, target_gguf, cfg) -> list:
         return list(pool.map(one, prompts))
 
 
-def run_rows(tools, args, sets: dict, target_gguf: Path, configs: list, repeats: int, phase: str) -> dict:
-    """{(name, spec_type, k, set, extra): {"tps": [per repeat], "served": [Served...] (first repeat)}}; the
-    first config is target-only."""
+def run_rows(tools, args, sets: dict, target_gguf: Path, configs: dict, repeats: int, phase: str) -> dict:
+    """{(name, spec_type, k, set, extra): {"tps": [per repeat], "served": [Served...] (first repeat)}}; configs:
+    {set: [row settings]}, the first one target-only."""
     results = {}
     for rep in range(repeats):
         for set_name, prompts in sets.items():
-            for cfg in configs:
+            for cfg in configs[set_name]:
                 name, spec_type, gguf, k, extra = cfg
                 t0 = time.time()
                 served = decode_all(tools, args, prompts, target_gguf, cfg)
@@ -361,10 +371,21 @@ def main() -> None:
     scorer = DraftlabScorer(target_folder, work, args.max_new_tokens)
 
     def lengths(name: str) -> list[int]:
-        return sorted(set(ks) | ({7, 15} if name == "dflash" else set()))
+        """The sweep's draft lengths: --draft-lengths for EAGLE-3; the three shortest and 7 and 15 (blocks of 8 and
+        16) for DFlash; the shortest and the middle one for the small_lm (its drafts cost the most); the middle one
+        and the longest for the n-gram methods (their drafts cost almost nothing)."""
+        if name == "dflash":
+            return sorted(set(ks[:3]) | {7, 15})
+        if name == "small_lm":
+            return sorted({min(ks), ks[len(ks) // 2]})
+        if name in NGRAMS:
+            return sorted({ks[len(ks) // 2], max(ks)})
+        return ks
 
     draftlab = {}
-    for name in exports:   # the sweep's lengths, then the main phase's (at every k: the main k is chosen later)
+    for name in ("eagle3", "dflash") if args.sweep_draftlab else ():   # draftlab's tau at every sweep length
+        if name not in exports:
+            continue
         for set_name, rows in sweep_sets.items():
             for k in lengths(name):
                 draftlab[(name, k, set_name, len(rows))] = scorer.tau(name, exports[name], k, set_name,
@@ -385,47 +406,67 @@ def main() -> None:
             configs += [(name, spec_type, gguf, k, serve) for k in lengths(name)]
         for method in args.ngram.split(","):
             if method:
-                configs += [(method, method, None, k, tuple(a.format(k=k) for a in NGRAMS[method])) for k in ks]
+                configs += [(method, method, None, k, tuple(a.format(k=k) for a in NGRAMS[method]))
+                            for k in lengths(method)]
         if "eagle3" in drafters and args.p_min:
             spec_type, gguf, serve = drafters["eagle3"]
             configs += [("eagle3", spec_type, gguf, max(ks), serve + ("--spec-draft-p-min", p))
                         for p in args.p_min.split(",")]
-        results = run_rows(tools, args, plain, target_gguf, configs, args.sweep_repeats, "sweep")
+        results = run_rows(tools, args, plain, target_gguf, {"mtbench": configs}, args.sweep_repeats, "sweep")
         rows += make_rows(results, costs, draftlab, "sweep")
+        write(args, runs, {}, costs, [], rows, started, load_before, "sweep done; main phase running")
         for r in rows:
             if r["drafter"] != "target-only" and not r["extra_args"].count("p-min"):
                 best = main_k.get(r["drafter"])
                 if best is None or r["tokens_per_second"] > best[1]:
                     main_k[r["drafter"]] = (r["draft_length"], r["tokens_per_second"])
+    speed = {n: v for n, (_, v) in main_k.items()}
     main_k = {n: k for n, (k, _) in main_k.items()}
-    configs = [target_only]
-    for name, (spec_type, gguf, serve) in drafters.items():
-        configs.append((name, spec_type, gguf, main_k.get(name, max(ks)), serve))
     methods = [m for m in args.ngram.split(",") if m]
-    for method in methods:
-        k = main_k.get(method, max(ks))
-        configs.append((method, method, None, k, tuple(a.format(k=k) for a in NGRAMS[method])))
-    if "eagle3" in drafters:
-        spec_type, gguf, serve = drafters["eagle3"]
+    best_ngram = max(methods, key=lambda m: speed.get(m, 0.0)) if methods else None
+    wanted = {part.split(":")[0]: part.split(":")[1].split(",") for part in args.main_rows.split(";") if part}
+    scored = {part.split(":")[0]: part.split(":")[1].split(",") for part in args.main_draftlab.split(";") if part}
+    configs = {}
+    for set_name in main_sets:
+        here = wanted.get(set_name, wanted.get("mtbench", []))
+        rows_here = [target_only]
+        for name, (spec_type, gguf, serve) in drafters.items():
+            if name in here:
+                rows_here.append((name, spec_type, gguf, main_k.get(name, max(ks)), serve))
         for method in methods:
+            if "ngram" in here and method == best_ngram or method in here:
+                k = main_k.get(method, max(ks))
+                rows_here.append((method, method, None, k, tuple(a.format(k=k) for a in NGRAMS[method])))
+        if "combined" in here and "eagle3" in drafters and best_ngram:   # the n-gram first, then the head
+            spec_type, gguf, serve = drafters["eagle3"]
             k = main_k.get("eagle3", max(ks))
-            configs.append((f"{method} + eagle3", f"{method},{spec_type}", gguf, k,
-                            serve + tuple(a.format(k=k) for a in NGRAMS[method])))
-    for name in exports:
-        for set_name, prs in main_sets.items():
-            k = main_k.get(name, max(ks))
-            draftlab[(name, k, set_name, len(prs))] = scorer.tau(name, exports[name], k, set_name, [r[2] for r in prs])
+            rows_here.append((f"{best_ngram} + eagle3", f"{best_ngram},{spec_type}", gguf, k,
+                              serve + tuple(a.format(k=k) for a in NGRAMS[best_ngram])))
+        configs[set_name] = rows_here
+    for set_name, prs in main_sets.items():
+        for name, spec_type, gguf, k, extra in configs[set_name]:
+            if name in exports and name in scored.get(set_name, []):
+                draftlab[(name, k, set_name, len(prs))] = scorer.tau(name, exports[name], k, set_name,
+                                                                     [r[2] for r in prs])
     results = run_rows(tools, args, {s: [(t, p) for t, p, _ in r] for s, r in main_sets.items()}, target_gguf,
                        configs, args.repeats, "main")
     rows += make_rows(results, costs, draftlab, "main")
+    write(args, runs, main_k, costs, [], rows, started, load_before, "main phase done; cost sweep running")
     sweep = []
     if args.cost_sweep:
         builds = {b: t for b in ("exact", "stock") if (t := lct.find_tools(variant=b))}
         sweep = cost_sweep(builds, target_folder, work, max(ks) + 1)
+    write(args, runs, main_k, costs, sweep, rows, started, load_before, "complete")
+
+
+def write(args, runs, main_k, costs, sweep, rows, started, load_before, state: str) -> None:
+    """bench/results/llama_cpp_serving.{json,md} with the rows so far (after each phase: a stopped run keeps them)."""
+    from draftlab import llama_cpp_tools as lct
+
     settings = {"target": args.target, "target_gguf": "f32, converted by llama.cpp's convert_hf_to_gguf.py",
                 "engine": args.engine, "threads": args.threads, "jobs": args.jobs,
                 "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "sweep_repeats": args.sweep_repeats,
-                "sweep_prompts": args.sweep_prompts, "main_draft_lengths": main_k,
+                "sweep_prompts": args.sweep_prompts, "main_draft_lengths": main_k, "state": state,
                 "greedy": True, "quick": args.quick, "machine": platform.processor() or platform.machine(),
                 "cpus": os.cpu_count(),
                 "llama_cpp": f"llama-cpp-python {lct.VERSION} sdist, {lct.cache_dir(variant=args.engine).name}",
@@ -449,7 +490,8 @@ def markdown(settings: dict, costs: dict, sweep: list[dict], rows: list[dict]) -
              f"{settings['sweep_prompts']} MT-bench prompts, {settings['sweep_repeats']} interleaved repeats; main: "
              f"{settings['repeats']} interleaved repeats; each drafter's main draft length is its fastest in the sweep "
              f"({settings['main_draft_lengths']}). Load average (1 min) before / after: "
-             f"{settings['load_average_1min'][0]} / {settings['load_average_1min'][1]} on {settings['cpus']} CPUs.", ""]
+             f"{settings['load_average_1min'][0]} / {settings['load_average_1min'][1]} on {settings['cpus']} CPUs. "
+             f"State: {settings['state']}.", ""]
     for phase in ("main", "sweep"):
         chosen = [r for r in rows if r["phase"] == phase]
         if not chosen:
@@ -489,7 +531,7 @@ def markdown(settings: dict, costs: dict, sweep: list[dict], rows: list[dict]) -
                   + " |", "|---|---|---|---|---|---|" + "---|" * len(ns)]
         for r in sweep:
             if "error" in r:
-                lines.append(f"| {r['build']} | | | {r['micro_batch']} | {r['flash_attn']} | error: {r['error']} |")
+                lines.append(f"| {r['build']} | {r['args']} | | | | error: {r['error']} |")
                 continue
             lines.append(f"| {r['build']} | {r['target_type']} | {r['threads']} | {r['micro_batch']} | "
                          f"{r['flash_attn']} | {r['target_step_ms']} | "
