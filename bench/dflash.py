@@ -21,7 +21,7 @@ vocabulary, lr 1e-3); DFlash as recipe dflash_head ships (5 layers, blocks of 16
 NUM_ANCHORS anchors per 512-token row (the recipe's 512 are per 3,072-token row: about one anchor in six tokens;
 64 in 512 is one in eight).
 
-Evaluation: greedy, 128 new tokens, all 80 MT-bench first turns (every row) and the 24 held-out prompts
+Evaluation: greedy, MAX_NEW_TOKENS (default 64) new tokens, all 80 MT-bench first turns (every row) and the 24 held-out prompts
 (data_prep/prompts/heldout_train_dist.jsonl; the chain rows), lossless checked against target-only outputs computed
 once per set.
 EAGLE-3: chain k=5 and the 16-node dynamic tree (depth 5, top-k 4). DFlash: chains of 3, 7 and 15 drafts (blocks
@@ -57,7 +57,7 @@ NUM_ANCHORS = int(os.environ.get("NUM_ANCHORS", "16"))
 DATA = ROOT / "data" / f"dfl_chat_n{SAMPLE}.jsonl"
 RUN = f"dfl_chat_n{SAMPLE}" + (f"_l{LIMIT}" if LIMIT else "")
 STORE = ROOT / "data" / f"{RUN}.store"
-MAX_NEW_TOKENS = 128
+MAX_NEW_TOKENS = int(os.environ.get("MAX_NEW_TOKENS", "64"))
 LABELS = {"eagle3": f"eagle3_{RUN}", "dflash": f"dflash_{RUN}"}
 COMMON = ["--data", str(DATA), "--store", str(STORE), "--limit", str(LIMIT), "--epochs", "1", "--points", "4",
           "--batch-size", "4",

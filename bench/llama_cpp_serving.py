@@ -80,12 +80,13 @@ def arguments():
     ap.add_argument("--sweep-repeats", type=int, default=2)
     ap.add_argument("--sweep-draftlab", action=argparse.BooleanOptionalAction, default=False,
                     help="also score the sweep's rows with draftlab's evaluator (off: the main rows only)")
-    ap.add_argument("--main-rows", default="mtbench:target-only,eagle3,small_lm,dflash,ngram,combined;"
-                    "humaneval:target-only,eagle3,ngram",
-                    help="main phase rows per set (ngram: the sweep's fastest n-gram method; combined: it in front "
-                         "of the EAGLE-3 head)")
-    ap.add_argument("--main-draftlab", default="mtbench:eagle3,small_lm,dflash",
-                    help="main rows scored by draftlab's evaluator too, per set")
+    ap.add_argument("--main-rows", default="mtbench:eagle3,eagle3@5,small_lm,dflash,ngram,combined;"
+                    "humaneval:eagle3,ngram",
+                    help="main phase rows per set besides target-only, NAME or NAME@K (K: the draft length; without "
+                         "it the sweep's fastest); ngram: the sweep's fastest n-gram method; combined: it in front of "
+                         "the EAGLE-3 head")
+    ap.add_argument("--main-draftlab", default="mtbench:eagle3@5,small_lm",
+                    help="main rows also scored by draftlab's evaluator, per set (same syntax)")
     ap.add_argument("--ngram", default=",".join(NGRAMS))
     ap.add_argument("--repeats", type=int, default=2, help="main phase: interleaved repeats")
     ap.add_argument("--threads", type=int, default=1, help="threads of each llama.cpp process")
@@ -424,28 +425,36 @@ def main() -> None:
     main_k = {n: k for n, (k, _) in main_k.items()}
     methods = [m for m in args.ngram.split(",") if m]
     best_ngram = max(methods, key=lambda m: speed.get(m, 0.0)) if methods else None
-    wanted = {part.split(":")[0]: part.split(":")[1].split(",") for part in args.main_rows.split(";") if part}
-    scored = {part.split(":")[0]: part.split(":")[1].split(",") for part in args.main_draftlab.split(";") if part}
+    def parse(spec: str) -> dict[str, list[tuple[str, int | None]]]:
+        """"set:name,name@k;set:..." -> {set: [(name, k or None: the sweep's fastest)]}."""
+        out = {}
+        for part in filter(None, spec.split(";")):
+            set_name, names = part.split(":")
+            out[set_name] = [(n.split("@")[0], int(n.split("@")[1]) if "@" in n else None) for n in names.split(",")]
+        return out
+
+    wanted, scored = parse(args.main_rows), parse(args.main_draftlab)
     configs = {}
     for set_name in main_sets:
-        here = wanted.get(set_name, wanted.get("mtbench", []))
         rows_here = [target_only]
-        for name, (spec_type, gguf, serve) in drafters.items():
-            if name in here:
-                rows_here.append((name, spec_type, gguf, main_k.get(name, max(ks)), serve))
-        for method in methods:
-            if "ngram" in here and method == best_ngram or method in here:
-                k = main_k.get(method, max(ks))
+        for name, k in wanted.get(set_name, []):
+            if name in drafters:
+                spec_type, gguf, serve = drafters[name]
+                rows_here.append((name, spec_type, gguf, k or main_k.get(name, max(ks)), serve))
+            elif name == "ngram" and best_ngram or name in NGRAMS:
+                method = best_ngram if name == "ngram" else name
+                k = k or main_k.get(method, max(ks))
                 rows_here.append((method, method, None, k, tuple(a.format(k=k) for a in NGRAMS[method])))
-        if "combined" in here and "eagle3" in drafters and best_ngram:   # the n-gram first, then the head
-            spec_type, gguf, serve = drafters["eagle3"]
-            k = main_k.get("eagle3", max(ks))
-            rows_here.append((f"{best_ngram} + eagle3", f"{best_ngram},{spec_type}", gguf, k,
-                              serve + tuple(a.format(k=k) for a in NGRAMS[best_ngram])))
-        configs[set_name] = rows_here
+            elif name == "combined" and "eagle3" in drafters and best_ngram:   # the n-gram first, then the head
+                spec_type, gguf, serve = drafters["eagle3"]
+                k = k or main_k.get("eagle3", max(ks))
+                rows_here.append((f"{best_ngram} + eagle3", f"{best_ngram},{spec_type}", gguf, k,
+                                  serve + tuple(a.format(k=k) for a in NGRAMS[best_ngram])))
+        configs[set_name] = list(dict.fromkeys(rows_here))   # eagle3 and eagle3@5 are one row when 5 is fastest
     for set_name, prs in main_sets.items():
-        for name, spec_type, gguf, k, extra in configs[set_name]:
-            if name in exports and name in scored.get(set_name, []):
+        for name, k in scored.get(set_name, []):
+            k = k or main_k.get(name, max(ks))
+            if name in exports and any(c[0] == name and c[3] == k for c in configs[set_name]):
                 draftlab[(name, k, set_name, len(prs))] = scorer.tau(name, exports[name], k, set_name,
                                                                      [r[2] for r in prs])
     results = run_rows(tools, args, {s: [(t, p) for t, p, _ in r] for s, r in main_sets.items()}, target_gguf,
