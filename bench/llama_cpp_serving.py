@@ -293,6 +293,8 @@ def run_rows(tools, args, sets: dict, target_gguf: Path, configs: dict, repeats:
 
 
 def make_rows(results: dict, costs: dict, draftlab: dict, phase: str) -> list[dict]:
+    from draftlab import llama_cpp_tools as lct
+
     rows = []
     for (name, spec_type, k, set_name, extra), entry in results.items():
         base = results[("target-only", None, 0, set_name, ())]
@@ -312,8 +314,8 @@ def make_rows(results: dict, costs: dict, draftlab: dict, phase: str) -> list[di
             "speedup": round(statistics.median(speedups), 3), "speedup_min": round(min(speedups), 3),
             "speedup_max": round(max(speedups), 3), "repeats": len(speedups),
             # target-only stops at exactly max_new_tokens; a speculative run may accept a draft past it
-            "identical": all(s.text.startswith(b.text) for s, b in zip(served, base["served"])),
-            "diverged_prompts": sum(not s.text.startswith(b.text) for s, b in zip(served, base["served"])),
+            "identical": all(lct.same_answer(s, b) for s, b in zip(served, base["served"])),
+            "diverged_prompts": sum(not lct.same_answer(s, b) for s, b in zip(served, base["served"])),
             "draft_cost_steps_per_token": (round(sum(draft_ms) / max(sum(draft_tokens), 1)
                                                  / costs["target_step_ms"], 3)
                                            if draft_ms and sum(draft_tokens) and "target_step_ms" in costs else None),

@@ -318,6 +318,13 @@ def _run_once(cmd: list[str], prompt_text: str, timeout: float) -> Served | None
                   draft_ms=draft_ms, draft_tokens=sum(int(n) for n, *_ in stats))
 
 
+def same_answer(speculative: Served, target_only: Served) -> bool:
+    """Whether a speculative decoding emitted target-only's answer. It may accept a draft past -n, so its text only
+    has to begin with target-only's; trailing newlines are left out of both (the program's own blank lines follow
+    the answer on stdout, and an answer that ends in newlines cannot be told from them)."""
+    return speculative.text.rstrip("\n").startswith(target_only.text.rstrip("\n"))
+
+
 def served_starts(rounds: list[tuple[int, int]]) -> list[int]:
     """Where each served round's first new token sits in the answer (0-based): llama.cpp drafts from the prompt's
     last token, so its first round starts at answer[0]; the next starts accepted + 1 later."""
@@ -328,19 +335,33 @@ def served_starts(rounds: list[tuple[int, int]]) -> list[int]:
     return starts
 
 
-def compare_rounds(served: list[tuple[int, int]], reference: dict[int, int], draft_length: int) -> tuple[int, int]:
+def compare_rounds(served: list[tuple[int, int]], reference: dict[int, int], draft_length: int,
+                   agree: int | None = None) -> tuple[int, int]:
     """(rounds compared, rounds that differ) between a served decoding and a reference one of the same answer.
 
     reference: {answer index where a round starts: its accepted count} (draftlab's round log). Rounds partition the
     answer differently until both start a round at the same index (draftlab's first round starts at answer[1]:
     its prefill yields answer[0]); from there on, greedy drafting from the same context must accept the same count.
-    Served rounds whose draft was cut short by the token budget (fewer than draft_length drafted) are skipped."""
+    Served rounds whose draft was cut short by the token budget (fewer than draft_length drafted) are skipped, and
+    so are rounds that reach past `agree` answer tokens (where llama.cpp's answer and the reference's part: two
+    engines' sums can pick differently between near-tied logits)."""
     compared = differ = 0
     aligned = False
     for start, (accepted, drafted) in zip(served_starts(served), served):
         aligned = aligned or start in reference
         if not aligned or drafted < draft_length or start not in reference:
             continue
+        if agree is not None and start + drafted + 1 > agree:
+            continue
         compared += 1
         differ += reference[start] != accepted
     return compared, differ
+
+
+def agreed_tokens(tokenizer, answer: list[int], text: str) -> int:
+    """How many tokens of `answer` (token ids) llama.cpp's `text` begins with: the longest t whose decoding of
+    answer[:t] is a prefix of text."""
+    t = 0
+    while t < len(answer) and text.startswith(tokenizer.decode(answer[:t + 1], skip_special_tokens=False)):
+        t += 1
+    return t

@@ -65,7 +65,7 @@ def served(tools, tiny_tokenizer, tmp_path_factory):  # noqa: F811 (the imported
     info = json.loads((export / "export.json").read_text())["gguf"]
     rows = read_rounds(log)
     result = {"export": export, "info": info, "report": json.loads(report.read_text()), "rows": rows,
-              "llama": {"target": [], "dflash": []}}
+              "llama": {"target": [], "dflash": []}, "tokenizer": tok}
     for i in range(len(PROMPTS)):
         first = next(r for r in rows if r.prompt == i and r.round == 0)
         text = tok.decode(first.prompt_ids, skip_special_tokens=False)
@@ -91,7 +91,7 @@ def test_served_dflash_answers_equal_target_only(served):
     assert served["report"]["lossless"] is True
     for i, (target_only, dflash) in enumerate(zip(served["llama"]["target"], served["llama"]["dflash"])):
         # llama-speculative-simple may accept a draft past -n: its answer starts with the target-only one
-        assert dflash.text.startswith(target_only.text), f"prompt {i}: the DFlash draft changed the answer"
+        assert lct.same_answer(dflash, target_only), f"prompt {i}: the DFlash draft changed the answer"
 
 
 def test_served_dflash_acceptance_equals_draftlab_eval(served):
@@ -100,7 +100,11 @@ def test_served_dflash_acceptance_equals_draftlab_eval(served):
     for i in range(len(PROMPTS)):
         prompt_len = len(next(r for r in rows if r.prompt == i and r.round == 0).prompt_ids)
         reference = {r.context - prompt_len: len(r.accepted) for r in rows if r.prompt == i}
-        c, d = lct.compare_rounds(served["llama"]["dflash"][i].rounds, reference, K)
+        first = next(r for r in rows if r.prompt == i and r.round == 0)
+        answer = ([first.root] + [t for r in rows if r.prompt == i for t in r.new_tokens])[:NEW_TOKENS]
+        # rounds past the token where llama.cpp's target-only answer leaves draftlab's (a near tie) are not compared
+        agree = lct.agreed_tokens(served["tokenizer"], answer, served["llama"]["target"][i].text)
+        c, d = lct.compare_rounds(served["llama"]["dflash"][i].rounds, reference, K, agree=agree)
         compared, differ = compared + c, differ + d
     runs = served["llama"]["dflash"]
     served_tau = sum(s.tokens for s in runs) / sum(len(s.rounds) for s in runs)

@@ -163,7 +163,8 @@ def served(tools, tiny_tokenizer, tmp_path_factory):
     wrapper = root / "convert_any_bpe.py"
     wrapper.write_text(CONVERTER_WRAPPER)
     os.environ["DRAFTLAB_GGUF_CONVERTER"] = str(wrapper)
-    result = {"prompts": [], "answers": [], "rounds": {}, "reports": {}, "llama": {}, "exports": {}}
+    result = {"prompts": [], "prompt_ids": [], "answers": [], "rounds": {}, "reports": {}, "llama": {},
+              "exports": {}, "model": model}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)      # the evaluations below crawl with two spinning threads on a busy 2-core machine
     try:
@@ -190,6 +191,7 @@ def served(tools, tiny_tokenizer, tmp_path_factory):
         answer = seq[:NEW_TOKENS]
         answer = answer[:answer.index(eos)] if eos in answer else answer
         result["prompts"].append(tok.decode(first.prompt_ids, skip_special_tokens=False))
+        result["prompt_ids"].append(list(first.prompt_ids))
         result["answers"].append(answer)
     for kind in ("target", "eagle3", "small_lm"):
         runs = []
@@ -205,6 +207,7 @@ def served(tools, tiny_tokenizer, tmp_path_factory):
                                               draft_length=K)
             runs.append(lct.run_speculative(cmd, text))
         result["llama"][kind] = runs
+    result["agree"] = [lct.agreed_tokens(tok, a, s.text) for a, s in zip(result["answers"], result["llama"]["target"])]
     return result
 
 
@@ -219,15 +222,29 @@ def test_export_holds_the_gguf_pair_and_the_serving_command(served):
         assert f"llama-server -m {info['target']} -md {info['draft']}" in card
 
 
+def near_tie_gap(model, prompt_ids: list[int], answer: list[int], t: int) -> float:
+    """The gap between the target's two best logits (draftlab's fp32 forward) where answer[t] is chosen."""
+    ids = torch.tensor(prompt_ids + answer[:t])[None]
+    with torch.no_grad():
+        top = model(ids).logits[0, -1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
 def test_served_answers_equal_target_only(served, tiny_tokenizer):
+    """Within llama.cpp, every speculative answer is its target-only answer. Across the two engines (llama.cpp's
+    ggml sums against PyTorch's), the target-only answers agree up to the end or up to a near tie: the random tiny
+    target's two best logits within 1e-3 where they part."""
     tok = tiny_tokenizer
     for i, answer in enumerate(served["answers"]):
-        expected = tok.decode(answer, skip_special_tokens=False)
         target_only = served["llama"]["target"][i]
-        assert target_only.text == expected, f"prompt {i}: llama.cpp target-only differs from draftlab's answer"
         for kind in ("eagle3", "small_lm"):
             # llama-speculative-simple may accept a draft past -n: its answer starts with the target-only one
-            assert served["llama"][kind][i].text.startswith(target_only.text), f"prompt {i}: {kind} changed it"
+            assert lct.same_answer(served["llama"][kind][i], target_only), f"prompt {i}: {kind} changed it"
+        t = served["agree"][i]
+        if t < len(answer):
+            gap = near_tie_gap(served["model"], served["prompt_ids"][i], answer, t)
+            assert gap < 1e-3, f"prompt {i}: llama.cpp's target-only answer leaves draftlab's at token {t}, gap {gap}"
+    assert sum(t == len(a) for t, a in zip(served["agree"], served["answers"])) >= len(PROMPTS) // 2
     assert all(r["lossless"] for r in served["reports"].values() if "lossless" in r)
 
 
@@ -238,10 +255,10 @@ def test_served_acceptance_equals_draftlab_eval(served, kind):
     for i in range(len(PROMPTS)):
         prompt_len = len(next(r for r in rows if r.prompt == i and r.round == 0).prompt_ids)
         reference = {r.context - prompt_len: len(r.accepted) for r in rows if r.prompt == i}
-        c, d = lct.compare_rounds(served["llama"][kind][i].rounds, reference, K)
+        c, d = lct.compare_rounds(served["llama"][kind][i].rounds, reference, K, agree=served["agree"][i])
         compared, differ = compared + c, differ + d
         accepted_served += sum(a for a, _ in served["llama"][kind][i].rounds)
-    assert compared >= 3 * len(PROMPTS) and differ == 0, f"{differ} of {compared} aligned rounds differ"
+    assert compared >= 2 * len(PROMPTS) and differ == 0, f"{differ} of {compared} aligned rounds differ"
     served_tau = (sum(s.tokens for s in served["llama"][kind])
                   / sum(len(s.rounds) for s in served["llama"][kind]))
     assert accepted_served > 0 and served_tau > 1.1, f"tau {served_tau:.3f}: too little accepted to compare"
