@@ -78,6 +78,9 @@ def arguments():
     ap.add_argument("--p-min", default="0.3,0.6", help="sweep phase: --spec-draft-p-min values for the EAGLE-3 head")
     ap.add_argument("--sweep-prompts", type=int, default=12, help="sweep phase: first N MT-bench prompts (0: no sweep)")
     ap.add_argument("--sweep-repeats", type=int, default=2)
+    ap.add_argument("--reuse-sweep", action="store_true",
+                    help="take the sweep's rows (and each drafter's fastest draft length) from --out's JSON, written "
+                         "by an earlier run of the same command, instead of running the sweep again")
     ap.add_argument("--sweep-draftlab", action=argparse.BooleanOptionalAction, default=False,
                     help="also score the sweep's rows with draftlab's evaluator (off: the main rows only)")
     ap.add_argument("--main-rows", default="mtbench:eagle3,eagle3@5,small_lm,dflash,ngram,combined;"
@@ -403,6 +406,19 @@ def main() -> None:
     target_only = ("target-only", None, None, 0, ())
     rows = []
     main_k = {}
+    if args.reuse_sweep:
+        earlier = json.loads(Path(args.out).with_suffix(".json").read_text())
+        rows += [r for r in earlier["rows"] if r["phase"] == "sweep"]
+        if not rows:
+            raise SystemExit(f"--reuse-sweep: {Path(args.out).with_suffix('.json')} holds no sweep rows")
+        log(f"reusing {len(rows)} sweep rows of {Path(args.out).with_suffix('.json')}")
+        sweep_sets = {}
+    if rows:
+        for r in rows:
+            if r["drafter"] != "target-only" and "p-min" not in r["extra_args"]:
+                best = main_k.get(r["drafter"])
+                if best is None or r["tokens_per_second"] > best[1]:
+                    main_k[r["drafter"]] = (r["draft_length"], r["tokens_per_second"])
     if sweep_sets:
         configs = [target_only]
         for name, (spec_type, gguf, serve) in drafters.items():
@@ -478,6 +494,7 @@ def write(args, runs, main_k, costs, sweep, rows, started, load_before, state: s
                 "engine": args.engine, "threads": args.threads, "jobs": args.jobs,
                 "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "sweep_repeats": args.sweep_repeats,
                 "sweep_prompts": args.sweep_prompts, "main_draft_lengths": main_k, "state": state,
+                "sweep_reused": args.reuse_sweep,
                 "greedy": True, "quick": args.quick, "machine": platform.processor() or platform.machine(),
                 "cpus": os.cpu_count(),
                 "llama_cpp": f"llama-cpp-python {lct.VERSION} sdist, {lct.cache_dir(variant=args.engine).name}",
