@@ -242,7 +242,7 @@ def cmd_report(args) -> None:
     if lcs.is_file():
         for r in json.loads(lcs.read_text())["rows"]:
             if r["drafter"] in ("dflash", "eagle3", "target-only") and r["prompt_set"] == "mtbench":
-                served.append({k: r[k] for k in ("drafter", "spec_type", "draft_length", "prompt_set", "num_prompts",
+                served.append({k: r.get(k) for k in ("phase", "drafter", "spec_type", "draft_length", "extra_args", "prompt_set", "num_prompts",
                                                  "served_acceptance_length", "draftlab_acceptance_length",
                                                  "tokens_per_second", "target_only_tokens_per_second", "speedup",
                                                  "speedup_min", "speedup_max", "identical")})
@@ -255,7 +255,32 @@ def cmd_report(args) -> None:
                            "wall_seconds": round(i.get("wall_seconds", 0)), "overrides": i.get("overrides")}
     timing = [json.loads(x) for x in (CACHE / "timing.jsonl").read_text().splitlines()] \
         if (CACHE / "timing.jsonl").is_file() else []
-    out = {"command": "python bench/dflash.py all", "sample": SAMPLE, "limit": LIMIT, "num_anchors": NUM_ANCHORS,
+    verdict = {}
+    for set_name in SETS:
+        e3 = [r for r in rows if r["drafter"] == "eagle3" and r["prompt_set"] == set_name and not r["tree"]]
+        df = [r for r in rows if r["drafter"] == "dflash" and r["prompt_set"] == set_name and not r["tree"]]
+        if e3 and df:
+            best = max(df, key=lambda r: r["acceptance_length"])
+            verdict[f"{set_name}_chain_tau"] = {"dflash": best["acceptance_length"], "dflash_shape": best["shape"],
+                                                "eagle3": e3[0]["acceptance_length"],
+                                                "difference": round(best["acceptance_length"] - e3[0]["acceptance_length"], 4)}
+    trees = {r["drafter"]: r["acceptance_length"] for r in rows if r["tree"] and r["prompt_set"] == "mtbench"}
+    if len(trees) == 2:
+        verdict["mtbench_tree_tau"] = {**trees, "difference": round(trees["dflash"] - trees["eagle3"], 4)}
+    fastest = {}
+    for r in served:
+        if r["drafter"] in ("dflash", "eagle3") and r["tokens_per_second"] > fastest.get(r["drafter"], {}).get("tokens_per_second", 0):
+            fastest[r["drafter"]] = r
+    if len(fastest) == 2:
+        verdict["served_tokens_per_second"] = {n: {"tokens_per_second": r["tokens_per_second"], "draft_length": r["draft_length"],
+                                                   "extra_args": r.get("extra_args") or "",
+                                                   "speedup": r["speedup"], "num_prompts": r["num_prompts"]}
+                                               for n, r in fastest.items()}
+    verdict["met"] = bool(verdict.get("mtbench_chain_tau", {}).get("difference", -1) >= 0 or (
+        len(fastest) == 2 and fastest["dflash"]["tokens_per_second"] > fastest["eagle3"]["tokens_per_second"]))
+    notes = Path(args.notes).read_text().strip() if args.notes and Path(args.notes).is_file() else ""
+    out = {"command": "python bench/dflash.py all", "sample": SAMPLE, "limit": LIMIT, "verdict": verdict,
+           "notes": notes, "num_anchors": NUM_ANCHORS,
            "max_new_tokens": MAX_NEW_TOKENS, "train": train, "data_timing": timing, "rows": rows, "served_rows": served}
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.with_suffix(".json").write_text(json.dumps(out, indent=1) + "\n")
@@ -280,12 +305,31 @@ def markdown(out: dict) -> str:
                      f"{r['draft_cost_steps']} | {r['verify_cost_steps']} | {r['predicted_speedup']:.2f}x |")
     lines += ["", "Predicted speedup: tau / (draft cost + verify cost), both in the fp32 target's one-token decode "
               "steps, measured in the same process (draftlab's own decoder, not llama.cpp).", ""]
+    v = out["verdict"]
+    lines += ["## Goal: DFlash's MT-bench tau at least EAGLE-3's, or its llama.cpp tokens/s above EAGLE-3's", ""]
+    for key in ("mtbench_chain_tau", "heldout_chain_tau"):
+        if key in v:
+            lines.append(f"- {key.replace('_', ' ')}: DFlash {v[key]['dflash']:.3f} ({v[key]['dflash_shape']}) against "
+                         f"EAGLE-3 {v[key]['eagle3']:.3f}: {v[key]['difference']:+.3f}")
+    if "mtbench_tree_tau" in v:
+        lines.append(f"- MT-bench 16-node tree tau: DFlash {v['mtbench_tree_tau']['dflash']:.3f} against EAGLE-3 "
+                     f"{v['mtbench_tree_tau']['eagle3']:.3f}: {v['mtbench_tree_tau']['difference']:+.3f}")
+    if "served_tokens_per_second" in v:
+        f = v["served_tokens_per_second"]
+        lines.append(f"- llama.cpp, fastest draft length each: DFlash {f['dflash']['tokens_per_second']} tokens/s "
+                     f"(k={f['dflash']['draft_length']}, {f['dflash']['speedup']}x) against EAGLE-3 "
+                     f"{f['eagle3']['tokens_per_second']} (k={f['eagle3']['draft_length']} {f['eagle3']['extra_args']}, "
+                     f"{f['eagle3']['speedup']}x), {f['eagle3']['num_prompts']} MT-bench prompts")
+    lines += [f"- met: {v.get('met')}", ""]
+    if out["notes"]:
+        lines += ["## Why, and what it would need", "", out["notes"], ""]
     if out["served_rows"]:
         lines += ["## Served by llama.cpp (bench/results/llama_cpp_serving.json, MT-bench)", "",
-                  "| drafter | spec type | k | prompts | served tau | draftlab tau | tokens/s | target-only tokens/s | "
-                  "speedup (min-max) | identical |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| phase | drafter | spec type | k | extra | prompts | served tau | draftlab tau | tokens/s | target-only tokens/s | "
+                  "speedup (min-max) | identical |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in out["served_rows"]:
-            lines.append(f"| {r['drafter']} | {r['spec_type']} | {r['draft_length']} | {r['prompt_set']} "
+            lines.append(f"| {r['phase']} | {r['drafter']} | {r['spec_type']} | {r['draft_length']} | "
+                         f"{(r.get('extra_args') or '').replace('--spec-draft-p-min', 'p-min')} | {r['prompt_set']} "
                          f"({r['num_prompts']}) | {r['served_acceptance_length']:.3f} | "
                          f"{'' if r['draftlab_acceptance_length'] is None else format(r['draftlab_acceptance_length'], '.3f')} | "
                          f"{r['tokens_per_second']:.1f} | {r['target_only_tokens_per_second']:.1f} | {r['speedup']:.2f} "
@@ -300,6 +344,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="eval: processes at once (one thread each)")
     ap.add_argument("--shard", default="", help=argparse.SUPPRESS)
     ap.add_argument("--only", choices=list(LABELS), help="eval: one head's rows only")
+    ap.add_argument("--notes", default=str(ROOT / "bench" / "results" / "dflash_notes.md"),
+                    help="report: a markdown file whose text goes into the report as its reading (why, what it needs)")
     args = ap.parse_args()
     stages = ["data", "store", "train", "eval", "report"] if args.stage == "all" else [args.stage]
     for stage in stages:
