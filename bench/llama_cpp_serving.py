@@ -78,6 +78,7 @@ def arguments():
     ap.add_argument("--p-min", default="0.3,0.6", help="sweep phase: --spec-draft-p-min values for the EAGLE-3 head")
     ap.add_argument("--sweep-prompts", type=int, default=12, help="sweep phase: first N MT-bench prompts (0: no sweep)")
     ap.add_argument("--sweep-repeats", type=int, default=2)
+    ap.add_argument("--render", action="store_true", help="only write the .md again from --out's JSON")
     ap.add_argument("--reuse-sweep", action="store_true",
                     help="take the sweep's rows (and each drafter's fastest draft length) from --out's JSON, written "
                          "by an earlier run of the same command, instead of running the sweep again")
@@ -337,6 +338,11 @@ def main() -> None:
     from draftlab.data import encode_prompt, load_prompts
 
     args = arguments()
+    if args.render:
+        done = json.loads(Path(args.out).with_suffix(".json").read_text())
+        Path(args.out).with_suffix(".md").write_text(markdown(done["settings"], done["cost_model"],
+                                                              done.get("cost_sweep", []), done["rows"]))
+        return log(f"wrote {Path(args.out).with_suffix('.md')}")
     import torch
 
     torch.set_num_threads(args.threads)   # draftlab's evaluator on the same threads
@@ -520,6 +526,31 @@ def markdown(settings: dict, costs: dict, sweep: list[dict], rows: list[dict]) -
              f"({settings['main_draft_lengths']}). Load average (1 min) before / after: "
              f"{settings['load_average_1min'][0]} / {settings['load_average_1min'][1]} on {settings['cpus']} CPUs. "
              f"State: {settings['state']}.", ""]
+    drafted = [r for r in rows if r["drafter"] in ("eagle3", "dflash", "small_lm") or "+" in r["drafter"]]
+    ngrams = [r for r in rows if r["drafter"] in NGRAMS]
+    if drafted:
+        best = max(drafted, key=lambda r: r["speedup"])
+        verdict = "met" if best["speedup"] >= 1.2 else f"missed by {1.2 - best['speedup']:.2f}x"
+        lines += ["## Goals", "",
+                  f"- best draftlab drafter: {best['drafter']} k={best['draft_length']} {best['extra_args']} "
+                  f"({best['phase']}, {best['prompt_set']} ({best['num_prompts']})): {best['speedup']:.2f}x "
+                  f"({best['speedup_min']:.2f}-{best['speedup_max']:.2f}) against the 1.2x goal: "
+                  f"{verdict}"
+                  + (f"; its break-even tau {best['break_even_acceptance_length']} against served tau "
+                     f"{best['served_acceptance_length']:.3f}" if best.get("break_even_acceptance_length") else "")]
+        if ngrams:
+            top = max(ngrams, key=lambda r: r["speedup"])
+            lines.append(f"- best n-gram method: {top['drafter']} k={top['draft_length']} ({top['phase']}, "
+                         f"{top['num_prompts']} prompts): {top['speedup']:.2f}x, served tau "
+                         f"{top['served_acceptance_length']:.3f}" + (" (nothing accepted: its speedup is the "
+                         "measurement's noise)" if top["served_acceptance_length"] == 1.0 else ""))
+        for r in rows:
+            if r["phase"] == "main" and r.get("served_vs_draftlab") is not None:
+                lines.append(f"- served against draftlab's tau, {r['drafter']} k={r['draft_length']}, {r['prompt_set']} "
+                             f"({r['num_prompts']}): {r['served_acceptance_length']:.3f} against "
+                             f"{r['draftlab_acceptance_length']:.3f} ({100 * r['served_vs_draftlab']:+.2f}%, goal within "
+                             f"2%), identical: {r['identical']}")
+        lines.append("")
     for phase in ("main", "sweep"):
         chosen = [r for r in rows if r["phase"] == phase]
         if not chosen:
