@@ -30,3 +30,22 @@ def parser(doc: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--checkpoint", default=str(CHECKPOINT))
     return ap
+
+
+def cached_baseline(target, ids: list, path: Path, max_new_tokens: int, eos_token_ids) -> dict:
+    """draftlab's greedy target-only outputs for `ids`, computed once into `path` (a lock file beside it: two
+    benchmark processes at once compute it once) and read back after."""
+    import fcntl
+    import json
+
+    from draftlab.evaluator import run_baseline
+    from draftlab.verify import Sampling
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_file():
+            log(f"target-only outputs for {path.stem} ({len(ids)} prompts)")
+            path.write_text(json.dumps(run_baseline(target, ids, sampling=Sampling(), max_new_tokens=max_new_tokens,
+                                                    eos_token_ids=eos_token_ids)))
+    return json.loads(path.read_text())

