@@ -16,9 +16,11 @@ Two phases, one command, one results file:
 Every row decodes greedily in `llama-speculative-simple` (one process per prompt, its own decode timer: prompt
 processing and loading excluded), --jobs prompts at a time with --threads threads each (the same for every row).
 Target-only runs in the same program (it refuses `--spec-type none`) with an n-gram lookup whose 1,024-token key
-never matches, so every round is one plain decode step (llama_cpp_tools.TARGET_ONLY). Repeats are interleaved (every
-row once, then every row again) and each repeat's speedup is taken against that repeat's target-only figure on the
-same prompts; min / median / max over repeats.
+never matches, so every round is one plain decode step (llama_cpp_tools.TARGET_ONLY). Rows are interleaved by prompt
+(each prompt decoded by every row back to back, in an order rotated from prompt to prompt) and repeats follow one
+another; each repeat's speedup is taken against that repeat's target-only figure on the same prompts; min / median /
+max over repeats. draftlab's evaluator scores its rows on a thread of its own beside the llama.cpp runs (one more
+busy core while it runs; the interleaving gives every row the same share of it).
 
 The engine: `--engine exact` (default) is llama.cpp built with GGML_LLAMAFILE=OFF (llama_cpp_tools docstring): the
 stock build verifies a batch with llamafile's sgemm and decodes one token with ggml's dot products, and near-tied
@@ -255,41 +257,54 @@ def cost_sweep(tools_by_build: dict, target_folder: str, work: Path, max_n: int)
     return rows
 
 
-def decode_all(tools, args, prompts, target_gguf, cfg) -> list:
-    """Decode every prompt with one row's settings, --jobs at a time; Served per prompt, in prompt order."""
-    from concurrent.futures import ThreadPoolExecutor
-
+def decode_one(tools, args, target_gguf, cfg, text: str, path):
+    """One prompt decoded with one row's settings in llama-speculative-simple -> Served."""
     from draftlab import llama_cpp_tools as lct
 
     name, spec_type, gguf, k, extra = cfg
-
-    def one(item):
-        text, path = item
-        cmd = lct.speculative_command(tools, target_gguf, path, args.max_new_tokens, draft_gguf=gguf,
-                                      spec_type=spec_type, draft_length=max(k, 1), threads=args.threads, extra=extra)
-        return lct.run_speculative(cmd, text)
-
-    with ThreadPoolExecutor(max(args.jobs, 1)) as pool:
-        return list(pool.map(one, prompts))
+    cmd = lct.speculative_command(tools, target_gguf, path, args.max_new_tokens, draft_gguf=gguf,
+                                  spec_type=spec_type, draft_length=max(k, 1), threads=args.threads, extra=extra)
+    return lct.run_speculative(cmd, text)
 
 
 def run_rows(tools, args, sets: dict, target_gguf: Path, configs: dict, repeats: int, phase: str) -> dict:
     """{(name, spec_type, k, set, extra): {"tps": [per repeat], "served": [Served...] (first repeat)}}; configs:
-    {set: [row settings]}, the first one target-only."""
+    {set: [row settings]}, the first one target-only.
+
+    Interleaved by prompt: each prompt is decoded by every row back to back (the rows' order rotated from prompt to
+    prompt) before the next prompt starts, --jobs prompts at a time, so a change in the machine's load while a
+    repeat runs reaches every row alike. A row's tokens/s in a repeat: its tokens over its decode seconds summed over
+    the set's prompts."""
+    from concurrent.futures import ThreadPoolExecutor
+
     results = {}
     for rep in range(repeats):
         for set_name, prompts in sets.items():
-            for cfg in configs[set_name]:
+            rows = configs[set_name]
+            t0, done = time.time(), [0]
+
+            def one(i):
+                order = rows[i % len(rows):] + rows[:i % len(rows)]
+                out = {cfg: decode_one(tools, args, target_gguf, cfg, *prompts[i]) for cfg in order}
+                done[0] += 1
+                if done[0] % 10 == 0 or done[0] == len(prompts):
+                    spent = time.time() - t0
+                    log(f"{phase} repeat {rep}: {set_name} {done[0]}/{len(prompts)} prompts x {len(rows)} rows, "
+                        f"{spent:.0f} s, about {spent / done[0] * (len(prompts) - done[0]):.0f} s to go")
+                return out
+
+            with ThreadPoolExecutor(max(args.jobs, 1)) as pool:
+                per_prompt = list(pool.map(one, range(len(prompts))))
+            for cfg in rows:
                 name, spec_type, gguf, k, extra = cfg
-                t0 = time.time()
-                served = decode_all(tools, args, prompts, target_gguf, cfg)
+                served = [p[cfg] for p in per_prompt]
                 tokens = sum(s.tokens for s in served)
                 seconds = sum(s.decode_seconds for s in served)
                 entry = results.setdefault((name, spec_type, k, set_name, extra), {"tps": [], "served": served})
                 entry["tps"].append(tokens / seconds)
                 log(f"{phase} repeat {rep}: {set_name} ({len(prompts)}) {name} {spec_type} k={k} {' '.join(extra)}: "
                     f"{tokens / seconds:.1f} tokens/s, served tau "
-                    f"{tokens / sum(len(x.rounds) for x in served):.3f} ({time.time() - t0:.0f} s)")
+                    f"{tokens / sum(len(x.rounds) for x in served):.3f}")
     return results
 
 
@@ -378,6 +393,29 @@ def main() -> None:
         exports[name] = export
         drafters[name] = (info["spec_type"], export / info["draft"], tuple(info.get("serve_args", ())))
     scorer = DraftlabScorer(target_folder, work, args.max_new_tokens)
+    from concurrent.futures import ThreadPoolExecutor
+
+    beside = ThreadPoolExecutor(1)   # draftlab's evaluator, on a thread of its own beside the llama.cpp runs
+    pending = {}
+
+    def score(name: str, k: int, set_name: str, rows: list) -> None:
+        key = (name, k, set_name, len(rows))
+        if name in exports and key not in pending:
+            pending[key] = beside.submit(scorer.tau, name, exports[name], k, set_name, [r[2] for r in rows])
+
+    def parse(spec: str) -> dict[str, list[tuple[str, int | None]]]:
+        """"set:name,name@k;set:..." -> {set: [(name, k or None: the sweep's fastest)]}."""
+        out = {}
+        for part in filter(None, spec.split(";")):
+            set_name, names = part.split(":")
+            out[set_name] = [(n.split("@")[0], int(n.split("@")[1]) if "@" in n else None) for n in names.split(",")]
+        return out
+
+    wanted, scored = parse(args.main_rows), parse(args.main_draftlab)
+    for set_name, prs in main_sets.items():   # rows whose draft length is given need no sweep: start them now
+        for name, k in scored.get(set_name, []):
+            if k is not None:
+                score(name, k, set_name, prs)
 
     def lengths(name: str) -> list[int]:
         """The sweep's draft lengths: --draft-lengths for EAGLE-3; the three shortest and 7 and 15 (blocks of 8 and
@@ -391,15 +429,12 @@ def main() -> None:
             return sorted({ks[len(ks) // 2], max(ks)})
         return ks
 
-    draftlab = {}
     for name in ("eagle3", "dflash") if args.sweep_draftlab else ():   # draftlab's tau at every sweep length
-        if name not in exports:
-            continue
         for set_name, rows in sweep_sets.items():
             for k in lengths(name):
-                draftlab[(name, k, set_name, len(rows))] = scorer.tau(name, exports[name], k, set_name,
-                                                                       [r[2] for r in rows])
+                score(name, k, set_name, rows)
     if args.prepare_only:
+        draftlab = {key: f.result() for key, f in pending.items()}
         log(f"prepared in {work}: " + ", ".join(f"{n} k={k} {s}: tau {t:.3f}" for (n, k, s, _), t in draftlab.items()))
         return
     load_before = os.getloadavg()[0]
@@ -435,6 +470,9 @@ def main() -> None:
             configs += [("eagle3", spec_type, gguf, max(ks), serve + ("--spec-draft-p-min", p))
                         for p in args.p_min.split(",")]
         results = run_rows(tools, args, plain, target_gguf, {"mtbench": configs}, args.sweep_repeats, "sweep")
+        swept = {(n, k, "mtbench", len(plain["mtbench"])) for n in ("eagle3", "dflash") if args.sweep_draftlab
+                 for k in lengths(n)}
+        draftlab = {key: pending[key].result() for key in swept if key in pending}
         rows += make_rows(results, costs, draftlab, "sweep")
         write(args, runs, {}, costs, [], rows, started, load_before, "sweep done; main phase running")
         for r in rows:
@@ -446,15 +484,6 @@ def main() -> None:
     main_k = {n: k for n, (k, _) in main_k.items()}
     methods = [m for m in args.ngram.split(",") if m]
     best_ngram = max(methods, key=lambda m: speed.get(m, 0.0)) if methods else None
-    def parse(spec: str) -> dict[str, list[tuple[str, int | None]]]:
-        """"set:name,name@k;set:..." -> {set: [(name, k or None: the sweep's fastest)]}."""
-        out = {}
-        for part in filter(None, spec.split(";")):
-            set_name, names = part.split(":")
-            out[set_name] = [(n.split("@")[0], int(n.split("@")[1]) if "@" in n else None) for n in names.split(",")]
-        return out
-
-    wanted, scored = parse(args.main_rows), parse(args.main_draftlab)
     configs = {}
     for set_name in main_sets:
         rows_here = [target_only]
@@ -475,11 +504,13 @@ def main() -> None:
     for set_name, prs in main_sets.items():
         for name, k in scored.get(set_name, []):
             k = k or main_k.get(name, max(ks))
-            if name in exports and any(c[0] == name and c[3] == k for c in configs[set_name]):
-                draftlab[(name, k, set_name, len(prs))] = scorer.tau(name, exports[name], k, set_name,
-                                                                     [r[2] for r in prs])
+            if any(c[0] == name and c[3] == k for c in configs[set_name]):
+                score(name, k, set_name, prs)
     results = run_rows(tools, args, {s: [(t, p) for t, p, _ in r] for s, r in main_sets.items()}, target_gguf,
                        configs, args.repeats, "main")
+    log("main rows decoded; waiting for draftlab's evaluator" if not all(f.done() for f in pending.values()) else
+        "main rows decoded")
+    draftlab = {key: f.result() for key, f in pending.items()}
     rows += make_rows(results, costs, draftlab, "main")
     write(args, runs, main_k, costs, [], rows, started, load_before, "main phase done; cost sweep running")
     sweep = []
