@@ -146,13 +146,17 @@ def cmd_eval(args) -> None:
             if not row_path(h, s, n).is_file() and (n == "mtbench" or s in HELDOUT_SHAPES[h])]
     if args.only:
         jobs = [j for j in jobs if j[0] == args.only]
+    if args.shapes:
+        wanted = [x.strip() for x in args.shapes.split(",")]
+        jobs = sorted((j for j in jobs if j[1] in wanted), key=lambda j: wanted.index(j[1]))
     log(f"{len(jobs)} rows to score, {args.jobs} at a time")
     if args.jobs > 1 and len(jobs) > 1:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         procs = []
         for i in range(args.jobs):
             procs.append(subprocess.Popen([sys.executable, __file__, "eval", "--jobs", "1", "--shard", f"{i}/{args.jobs}"]
-                                          + (["--only", args.only] if args.only else []), env=env))
+                                          + (["--only", args.only] if args.only else [])
+                                          + (["--shapes", args.shapes] if args.shapes else []), env=env))
         codes = [p.wait() for p in procs]
         if any(codes):
             sys.exit(f"evaluation failed (exit codes {codes})")
@@ -231,9 +235,10 @@ def cmd_report(args) -> None:
     served = []
     lcs = ROOT / "bench" / "results" / "llama_cpp_serving.json"
     if lcs.is_file():
-        for r in json.loads(lcs.read_text())["rows"]:
+        done = json.loads(lcs.read_text())
+        for r in done["rows"]:
             if r["drafter"] in ("dflash", "eagle3", "target-only") and r["prompt_set"] == "mtbench":
-                served.append({k: r.get(k) for k in ("phase", "drafter", "spec_type", "draft_length", "extra_args", "prompt_set", "num_prompts",
+                served.append({"max_new_tokens": done["settings"]["max_new_tokens"]} | {k: r.get(k) for k in ("phase", "drafter", "spec_type", "draft_length", "extra_args", "prompt_set", "num_prompts",
                                                  "served_acceptance_length", "draftlab_acceptance_length",
                                                  "tokens_per_second", "target_only_tokens_per_second", "speedup",
                                                  "speedup_min", "speedup_max", "identical")})
@@ -315,7 +320,8 @@ def markdown(out: dict) -> str:
     if out["notes"]:
         lines += ["## Why, and what it would need", "", out["notes"], ""]
     if out["served_rows"]:
-        lines += ["## Served by llama.cpp (bench/results/llama_cpp_serving.json, MT-bench)", "",
+        lines += [f"## Served by llama.cpp (bench/results/llama_cpp_serving.json, MT-bench, "
+                  f"{out['served_rows'][0]['max_new_tokens']} new tokens)", "",
                   "| phase | drafter | spec type | k | extra | prompts | served tau | draftlab tau | tokens/s | target-only tokens/s | "
                   "speedup (min-max) | identical |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in out["served_rows"]:
@@ -335,6 +341,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="eval: processes at once (one thread each)")
     ap.add_argument("--shard", default="", help=argparse.SUPPRESS)
     ap.add_argument("--only", choices=list(LABELS), help="eval: one head's rows only")
+    ap.add_argument("--shapes", default="", help="eval: only these shapes, in this order (e.g. 'chain k=3,chain k=15')")
     ap.add_argument("--notes", default=str(ROOT / "bench" / "results" / "dflash_notes.md"),
                     help="report: a markdown file whose text goes into the report as its reading (why, what it needs)")
     args = ap.parse_args()

@@ -267,6 +267,15 @@ def decode_one(tools, args, target_gguf, cfg, text: str, path):
     return lct.run_speculative(cmd, text)
 
 
+RESUMED: dict[str, int] = {}   # prompts whose rows were taken from the journal of an interrupted run, per phase
+
+
+def journal_path(args, phase: str) -> Path:
+    """Every decoded prompt (all rows of it) is appended here as it finishes, so that the same command, run again
+    after an interruption, decodes only what is missing; a run that completes removes it."""
+    return Path(args.work) / "journal" / f"{phase}.jsonl"
+
+
 def run_rows(tools, args, sets: dict, target_gguf: Path, configs: dict, repeats: int, phase: str) -> dict:
     """{(name, spec_type, k, set, extra): {"tps": [per repeat], "served": [Served...] (first repeat)}}; configs:
     {set: [row settings]}, the first one target-only.
@@ -274,9 +283,27 @@ def run_rows(tools, args, sets: dict, target_gguf: Path, configs: dict, repeats:
     Interleaved by prompt: each prompt is decoded by every row back to back (the rows' order rotated from prompt to
     prompt) before the next prompt starts, --jobs prompts at a time, so a change in the machine's load while a
     repeat runs reaches every row alike. A row's tokens/s in a repeat: its tokens over its decode seconds summed over
-    the set's prompts."""
+    the set's prompts. Each prompt's rows go to journal_path() as the prompt finishes and come back from there
+    when the same command runs again after an interruption (RESUMED counts them: their timings are the earlier
+    run's, taken together for all rows of a prompt, so the interleaving still holds)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    import dataclasses
+    import hashlib
+    import threading
+
+    from draftlab.llama_cpp_tools import Served
+
+    journal, lock = journal_path(args, phase), threading.Lock()
+    journal.parent.mkdir(parents=True, exist_ok=True)
+    earlier = {}
+    if journal.is_file():
+        for line in journal.read_text().splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:   # a line cut short when the run was stopped
+                continue
+            earlier[entry["key"]] = {cfg: Served(**served) for cfg, served in entry["rows"].items()}
     results = {}
     for rep in range(repeats):
         for set_name, prompts in sets.items():
@@ -284,8 +311,19 @@ def run_rows(tools, args, sets: dict, target_gguf: Path, configs: dict, repeats:
             t0, done = time.time(), [0]
 
             def one(i):
-                order = rows[i % len(rows):] + rows[:i % len(rows)]
-                out = {cfg: decode_one(tools, args, target_gguf, cfg, *prompts[i]) for cfg in order}
+                text, path = prompts[i]
+                key = f"{phase} {rep} {set_name} {i} " + hashlib.sha256(
+                    json.dumps([text, [list(map(str, c)) for c in rows], args.max_new_tokens, args.threads,
+                                args.engine]).encode()).hexdigest()[:16]
+                if key in earlier and set(earlier[key]) == {repr(c) for c in rows}:
+                    RESUMED[phase] = RESUMED.get(phase, 0) + 1
+                    out = {cfg: earlier[key][repr(cfg)] for cfg in rows}
+                else:
+                    order = rows[i % len(rows):] + rows[:i % len(rows)]
+                    out = {cfg: decode_one(tools, args, target_gguf, cfg, text, path) for cfg in order}
+                    with lock, open(journal, "a") as f:
+                        f.write(json.dumps({"key": key, "rows": {repr(c): dataclasses.asdict(sv)
+                                                                 for c, sv in out.items()}}) + "\n")
                 done[0] += 1
                 if done[0] % 10 == 0 or done[0] == len(prompts):
                     spent = time.time() - t0
@@ -528,7 +566,7 @@ def write(args, runs, main_k, costs, sweep, rows, started, load_before, state: s
                 "engine": args.engine, "threads": args.threads, "jobs": args.jobs,
                 "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "sweep_repeats": args.sweep_repeats,
                 "sweep_prompts": args.sweep_prompts, "main_draft_lengths": main_k, "state": state,
-                "sweep_reused": args.reuse_sweep,
+                "sweep_reused": args.reuse_sweep, "resumed_prompts": dict(RESUMED),
                 "greedy": True, "quick": args.quick, "machine": platform.processor() or platform.machine(),
                 "cpus": os.cpu_count(),
                 "llama_cpp": f"llama-cpp-python {lct.VERSION} sdist, {lct.cache_dir(variant=args.engine).name}",
@@ -541,6 +579,9 @@ def write(args, runs, main_k, costs, sweep, rows, started, load_before, state: s
                                                     "rows": rows}, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(settings, costs, sweep, rows))
     log(f"wrote {out.with_suffix('.json')} and .md")
+    if state == "complete":
+        for phase in ("sweep", "main"):
+            journal_path(args, phase).unlink(missing_ok=True)
 
 
 def markdown(settings: dict, costs: dict, sweep: list[dict], rows: list[dict]) -> str:

@@ -54,3 +54,44 @@ def test_bench_on_tiny_target(tiny_target_dir, tiny_chat_file, tiny_prompt_file,
     assert "eagle: cached" in log and "training from recipe" not in log
     assert all(r["from_cache"] for r in again["rows"])
     assert [r["acceptance_length"] for r in again["rows"]] == [r["acceptance_length"] for r in rows]
+
+
+def test_llama_cpp_serving_resumes_from_its_journal(tmp_path, monkeypatch):
+    """bench/llama_cpp_serving.py journals every decoded prompt (all its rows); the same rows run again after an
+    interruption decode only the prompts missing from the journal (a line cut short counts as missing) and give the
+    journaled prompts back unchanged. llama.cpp itself is replaced by a counter: this checks the bookkeeping only."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    spec = importlib.util.spec_from_file_location("llama_cpp_serving", ROOT / "bench" / "llama_cpp_serving.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    from types import SimpleNamespace
+
+    from draftlab.llama_cpp_tools import Served
+
+    calls = []
+
+    def decode(tools, args, target_gguf, cfg, text, path):
+        calls.append((cfg[0], text))
+        return Served(text=text + "!", rounds=[(1, 1), (0, 1)], tokens=3, decode_seconds=0.5 + 0.01 * len(calls))
+
+    monkeypatch.setattr(bench, "decode_one", decode)
+    args = SimpleNamespace(work=str(tmp_path), max_new_tokens=8, threads=1, engine="exact", jobs=2)
+    configs = {"s": [("target-only", None, None, 0, ()), ("head", "draft-eagle3", "draft.gguf", 1, ())]}
+    prompts = {"s": [("p0", "f0"), ("p1", "f1"), ("p2", "f2")]}
+    first = bench.run_rows(None, args, prompts, None, configs, 2, "main")
+    assert len(calls) == 2 * 3 * 2                      # repeats x prompts x rows
+    journal = bench.journal_path(args, "main")
+    lines = journal.read_text().splitlines()
+    assert len(lines) == 6
+    journal.write_text("\n".join(lines[:3]) + "\n" + lines[3][:20] + "\n")   # stopped while writing the 4th
+    calls.clear()
+    bench.RESUMED.clear()
+    again = bench.run_rows(None, args, prompts, None, configs, 2, "main")
+    assert len(calls) == 3 * 2 and bench.RESUMED == {"main": 3}
+    head = ("head", "draft-eagle3", 1, "s", ())
+    assert [s.text for s in again[head]["served"]] == [s.text for s in first[head]["served"]]
+    assert again[head]["tps"][0] == first[head]["tps"][0]       # repeat 0 came back from the journal whole
+    changed = {"s": configs["s"] + [("other", "draft-simple", "small.gguf", 1, ())]}
+    calls.clear()
+    bench.run_rows(None, args, prompts, None, changed, 1, "main")   # other rows: nothing reused
+    assert len(calls) == 3 * 3
