@@ -21,9 +21,9 @@ vocabulary, lr 1e-3); DFlash as recipe dflash_head ships (5 layers, blocks of 16
 NUM_ANCHORS anchors per 512-token row (the recipe's 512 are per 3,072-token row: about one anchor in six tokens;
 64 in 512 is one in eight).
 
-Evaluation: greedy, MAX_NEW_TOKENS (default 64) new tokens, all 80 MT-bench first turns (every row) and the 24
-held-out prompts (data_prep/prompts/heldout_train_dist.jsonl; EAGLE-3's chain of 5 and DFlash's chain of 7 only, for
-CPU time), lossless checked against target-only outputs computed once per set.
+Evaluation: greedy, MAX_NEW_TOKENS (default 64) new tokens, every row on all 80 MT-bench first turns and on the 24
+held-out prompts (data_prep/prompts/heldout_train_dist.jsonl), lossless checked against target-only outputs computed
+once per set. A row already in bench/results/dflash.json is not scored again unless --rescore asks for it.
 EAGLE-3: chain k=5 and the 16-node dynamic tree (depth 5, top-k 4). DFlash: chains of 3, 7 and 15 drafts (blocks
 of 4, 8 and 16 tokens with the anchor) from the one block-16 model, and a 16-node dynamic tree over its block's
 positions. Draft cost: seconds of one propose() of each row's shape after a 128-token prompt, over the target's
@@ -32,7 +32,6 @@ one-token decode step (draftlab.costs, median of 7).
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import subprocess
@@ -72,7 +71,6 @@ TRAIN = {
                "--set", f"drafter.num_anchors={NUM_ANCHORS}"],
 }
 TREE16 = dict(kind="dynamic", depth=5, top_k=4, total_tokens=16)
-HELDOUT_SHAPES = {"eagle3": ("chain k=5",), "dflash": ("chain k=7",)}   # the held-out set's rows (CPU time)
 ROWS = [  # (head, shape name, tree spec, block size the chain stands for)
     ("eagle3", "chain k=5", dict(kind="chain", draft_length=5), None),
     ("eagle3", "dynamic 16", TREE16, None),
@@ -142,8 +140,13 @@ def cmd_eval(args) -> None:
     import torch
 
     torch.set_num_threads(1)
+    reported = set()
+    if OUT.with_suffix(".json").is_file() and not args.rescore:
+        reported = {(r["drafter"], r["shape"], r["prompt_set"]) for r in json.loads(OUT.with_suffix(".json").read_text())["rows"]}
     jobs = [(h, s, spec, b, n) for n in SETS for h, s, spec, b in ROWS
-            if not row_path(h, s, n).is_file() and (n == "mtbench" or s in HELDOUT_SHAPES[h])]
+            if not row_path(h, s, n).is_file() and (h, s, n) not in reported]
+    if args.sets:
+        jobs = [j for j in jobs if j[4] in args.sets.split(",")]
     if args.only:
         jobs = [j for j in jobs if j[0] == args.only]
     if args.shapes:
@@ -156,6 +159,8 @@ def cmd_eval(args) -> None:
         for i in range(args.jobs):
             procs.append(subprocess.Popen([sys.executable, __file__, "eval", "--jobs", "1", "--shard", f"{i}/{args.jobs}"]
                                           + (["--only", args.only] if args.only else [])
+                                          + (["--sets", args.sets] if args.sets else [])
+                                          + (["--rescore"] if args.rescore else [])
                                           + (["--shapes", args.shapes] if args.shapes else []), env=env))
         codes = [p.wait() for p in procs]
         if any(codes):
@@ -218,19 +223,27 @@ def _last_step(run: Path) -> Path:
 
 
 def cmd_report(args) -> None:
+    # Rows scored in an earlier session whose cache is gone (bench/results/cache is not committed) are carried over
+    # from the results file as they were, with the date they were scored; a cached row replaces its old one.
+    previous = json.loads(OUT.with_suffix(".json").read_text()) if OUT.with_suffix(".json").is_file() else {}
+    carried = {(r["drafter"], r["shape"], r["prompt_set"]): r for r in previous.get("rows", [])}
     rows = []
     for set_name in SETS:
         for head, shape, spec, block in ROWS:
             path = row_path(head, shape, set_name)
             if not path.is_file():
+                if (head, shape, set_name) in carried:
+                    rows.append(carried[(head, shape, set_name)])
                 continue
             r = json.loads(path.read_text())
+            scored = time.strftime("%Y-%m-%d", time.gmtime(path.stat().st_mtime))
             rows.append({"drafter": head, "block_size": block, "shape": shape, "tree": spec["kind"] != "chain",
                          "prompt_set": set_name, "num_prompts": r["num_prompts"],
                          "acceptance_length": round(r["acceptance_length"], 4),
                          "per_position_acceptance": [round(x, 3) for x in r["per_position_acceptance"][:15]],
                          "lossless": r["lossless"], **r["costs"],
-                         "round_cost_steps": round(r["costs"]["draft_cost_steps"] + r["costs"]["verify_cost_steps"], 3)})
+                         "round_cost_steps": round(r["costs"]["draft_cost_steps"] + r["costs"]["verify_cost_steps"], 3),
+                         "scored": scored})
             rows[-1]["predicted_speedup"] = round(rows[-1]["acceptance_length"] / rows[-1]["round_cost_steps"], 3)
     served = []
     lcs = ROOT / "bench" / "results" / "llama_cpp_serving.json"
@@ -242,15 +255,16 @@ def cmd_report(args) -> None:
                                                  "served_acceptance_length", "draftlab_acceptance_length",
                                                  "tokens_per_second", "target_only_tokens_per_second", "speedup",
                                                  "speedup_min", "speedup_max", "identical")})
-    train = {}
+    train = dict(previous.get("train", {}))
     for head, label in LABELS.items():
         info = LC_RUNS / label / "bench_train.json"
         if info.is_file():
             i = json.loads(info.read_text())
             train[head] = {"label": label, "steps": i.get("steps"), "rows": i.get("rows"),
                            "wall_seconds": round(i.get("wall_seconds", 0)), "overrides": i.get("overrides")}
-    timing = [json.loads(x) for x in (CACHE / "timing.jsonl").read_text().splitlines()] \
-        if (CACHE / "timing.jsonl").is_file() else []
+    timing = previous.get("data_timing", [])
+    if (CACHE / "timing.jsonl").is_file():
+        timing += [t for t in map(json.loads, (CACHE / "timing.jsonl").read_text().splitlines()) if t not in timing]
     verdict = {}
     for set_name in SETS:
         e3 = [r for r in rows if r["drafter"] == "eagle3" and r["prompt_set"] == set_name and not r["tree"]]
@@ -341,6 +355,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="eval: processes at once (one thread each)")
     ap.add_argument("--shard", default="", help=argparse.SUPPRESS)
     ap.add_argument("--only", choices=list(LABELS), help="eval: one head's rows only")
+    ap.add_argument("--sets", default="", help="eval: only these prompt sets (e.g. 'heldout')")
+    ap.add_argument("--rescore", action="store_true",
+                    help="eval: score the selected rows again even where bench/results/dflash.json has them")
     ap.add_argument("--shapes", default="", help="eval: only these shapes, in this order (e.g. 'chain k=3,chain k=15')")
     ap.add_argument("--notes", default=str(ROOT / "bench" / "results" / "dflash_notes.md"),
                     help="report: a markdown file whose text goes into the report as its reading (why, what it needs)")

@@ -383,6 +383,16 @@ def make_rows(results: dict, costs: dict, draftlab: dict, phase: str) -> list[di
     return rows
 
 
+
+def fastest_lengths(sweep_rows: list[dict]) -> dict[str, tuple[int, float]]:
+    """Each drafter's fastest draft length in the sweep, with its tokens/s (p-min rows and target-only left out)."""
+    best = {}
+    for r in sweep_rows:
+        if r["drafter"] != "target-only" and "p-min" not in r["extra_args"] and (
+                r["drafter"] not in best or r["tokens_per_second"] > best[r["drafter"]][1]):
+            best[r["drafter"]] = (r["draft_length"], r["tokens_per_second"])
+    return best
+
 def main() -> None:
     from draftlab import llama_cpp_tools as lct
     from draftlab.data import encode_prompt, load_prompts
@@ -481,7 +491,6 @@ def main() -> None:
     plain = {s: [(t, p) for t, p, _ in rows] for s, rows in sweep_sets.items()}
     target_only = ("target-only", None, None, 0, ())
     rows = []
-    main_k = {}
     if args.reuse_sweep:
         earlier = json.loads(Path(args.out).with_suffix(".json").read_text())
         rows += [r for r in earlier["rows"] if r["phase"] == "sweep"]
@@ -489,12 +498,6 @@ def main() -> None:
             raise SystemExit(f"--reuse-sweep: {Path(args.out).with_suffix('.json')} holds no sweep rows")
         log(f"reusing {len(rows)} sweep rows of {Path(args.out).with_suffix('.json')}")
         sweep_sets = {}
-    if rows:
-        for r in rows:
-            if r["drafter"] != "target-only" and "p-min" not in r["extra_args"]:
-                best = main_k.get(r["drafter"])
-                if best is None or r["tokens_per_second"] > best[1]:
-                    main_k[r["drafter"]] = (r["draft_length"], r["tokens_per_second"])
     if sweep_sets:
         configs = [target_only]
         for name, (spec_type, gguf, serve) in drafters.items():
@@ -513,13 +516,9 @@ def main() -> None:
         draftlab = {key: pending[key].result() for key in swept if key in pending}
         rows += make_rows(results, costs, draftlab, "sweep")
         write(args, runs, {}, costs, [], rows, started, load_before, "sweep done; main phase running")
-        for r in rows:
-            if r["drafter"] != "target-only" and not r["extra_args"].count("p-min"):
-                best = main_k.get(r["drafter"])
-                if best is None or r["tokens_per_second"] > best[1]:
-                    main_k[r["drafter"]] = (r["draft_length"], r["tokens_per_second"])
-    speed = {n: v for n, (_, v) in main_k.items()}
-    main_k = {n: k for n, (k, _) in main_k.items()}
+    fastest = fastest_lengths(rows)
+    speed = {n: v for n, (_, v) in fastest.items()}
+    main_k = {n: k for n, (k, _) in fastest.items()}
     methods = [m for m in args.ngram.split(",") if m]
     best_ngram = max(methods, key=lambda m: speed.get(m, 0.0)) if methods else None
     configs = {}
