@@ -70,6 +70,10 @@ TRAIN = {
     "dflash": ["--recipe", "dflash_head", "--lr", "6e-4", "--set", "drafter.target_layers=[1,7,14,20,26]",
                "--set", f"drafter.num_anchors={NUM_ANCHORS}"],
 }
+SERVED = [ROOT / "bench" / "results" / f"{name}.json" for name in ("llama_cpp_serving", "llama_cpp_serving_dflash")]
+SERVED_KEYS = ("phase", "drafter", "spec_type", "draft_length", "extra_args", "prompt_set", "num_prompts",
+               "served_acceptance_length", "draftlab_acceptance_length", "tokens_per_second",
+               "target_only_tokens_per_second", "speedup", "speedup_min", "speedup_max", "identical")
 TREE16 = dict(kind="dynamic", depth=5, top_k=4, total_tokens=16)
 ROWS = [  # (head, shape name, tree spec, block size the chain stands for)
     ("eagle3", "chain k=5", dict(kind="chain", draft_length=5), None),
@@ -246,15 +250,14 @@ def cmd_report(args) -> None:
                          "scored": scored})
             rows[-1]["predicted_speedup"] = round(rows[-1]["acceptance_length"] / rows[-1]["round_cost_steps"], 3)
     served = []
-    lcs = ROOT / "bench" / "results" / "llama_cpp_serving.json"
-    if lcs.is_file():
-        done = json.loads(lcs.read_text())
+    for source in SERVED:   # each file's rows: one run, the same load for all its rows
+        if not source.is_file():
+            continue
+        done = json.loads(source.read_text())
         for r in done["rows"]:
             if r["drafter"] in ("dflash", "eagle3", "target-only") and r["prompt_set"] == "mtbench":
-                served.append({"max_new_tokens": done["settings"]["max_new_tokens"]} | {k: r.get(k) for k in ("phase", "drafter", "spec_type", "draft_length", "extra_args", "prompt_set", "num_prompts",
-                                                 "served_acceptance_length", "draftlab_acceptance_length",
-                                                 "tokens_per_second", "target_only_tokens_per_second", "speedup",
-                                                 "speedup_min", "speedup_max", "identical")})
+                served.append({"source": source.name, "max_new_tokens": done["settings"]["max_new_tokens"]}
+                              | {k: r.get(k) for k in SERVED_KEYS})
     train = dict(previous.get("train", {}))
     for head, label in LABELS.items():
         info = LC_RUNS / label / "bench_train.json"
@@ -274,20 +277,25 @@ def cmd_report(args) -> None:
             verdict[f"{set_name}_chain_tau"] = {"dflash": best["acceptance_length"], "dflash_shape": best["shape"],
                                                 "eagle3": e3[0]["acceptance_length"],
                                                 "difference": round(best["acceptance_length"] - e3[0]["acceptance_length"], 4)}
-    trees = {r["drafter"]: r["acceptance_length"] for r in rows if r["tree"] and r["prompt_set"] == "mtbench"}
-    if len(trees) == 2:
-        verdict["mtbench_tree_tau"] = {**trees, "difference": round(trees["dflash"] - trees["eagle3"], 4)}
-    fastest = {}
-    for r in served:
-        if r["drafter"] in ("dflash", "eagle3") and r["tokens_per_second"] > fastest.get(r["drafter"], {}).get("tokens_per_second", 0):
-            fastest[r["drafter"]] = r
-    if len(fastest) == 2:
-        verdict["served_tokens_per_second"] = {n: {"tokens_per_second": r["tokens_per_second"], "draft_length": r["draft_length"],
-                                                   "extra_args": r.get("extra_args") or "",
-                                                   "speedup": r["speedup"], "num_prompts": r["num_prompts"]}
-                                               for n, r in fastest.items()}
-    verdict["met"] = bool(verdict.get("mtbench_chain_tau", {}).get("difference", -1) >= 0 or (
-        len(fastest) == 2 and fastest["dflash"]["tokens_per_second"] > fastest["eagle3"]["tokens_per_second"]))
+        trees = {r["drafter"]: r["acceptance_length"] for r in rows if r["tree"] and r["prompt_set"] == set_name}
+        if len(trees) == 2:
+            verdict[f"{set_name}_tree_tau"] = {**trees, "difference": round(trees["dflash"] - trees["eagle3"], 4)}
+    comparisons = []   # per results file and phase: each drafter's fastest row, both measured in the same run
+    for source, phase in dict.fromkeys((r["source"], r["phase"]) for r in served):
+        fastest = {}
+        for r in served:
+            if (r["source"], r["phase"]) == (source, phase) and r["drafter"] in ("dflash", "eagle3") and \
+                    r["tokens_per_second"] > fastest.get(r["drafter"], {}).get("tokens_per_second", 0):
+                fastest[r["drafter"]] = r
+        if len(fastest) == 2:
+            comparisons.append({"source": source, "phase": phase} | {
+                n: {"tokens_per_second": r["tokens_per_second"], "draft_length": r["draft_length"],
+                    "extra_args": r.get("extra_args") or "", "speedup": r["speedup"], "num_prompts": r["num_prompts"],
+                    "max_new_tokens": r["max_new_tokens"]} for n, r in fastest.items()})
+    if comparisons:
+        verdict["served_tokens_per_second"] = comparisons
+    verdict["met"] = bool(verdict.get("mtbench_chain_tau", {}).get("difference", -1) >= 0 or any(
+        c["dflash"]["tokens_per_second"] > c["eagle3"]["tokens_per_second"] for c in comparisons))
     notes = Path(args.notes).read_text().strip() if args.notes and Path(args.notes).is_file() else ""
     out = {"command": "python bench/dflash.py all", "sample": SAMPLE, "limit": LIMIT, "verdict": verdict,
            "notes": notes, "num_anchors": NUM_ANCHORS,
@@ -321,25 +329,28 @@ def markdown(out: dict) -> str:
         if key in v:
             lines.append(f"- {key.replace('_', ' ')}: DFlash {v[key]['dflash']:.3f} ({v[key]['dflash_shape']}) against "
                          f"EAGLE-3 {v[key]['eagle3']:.3f}: {v[key]['difference']:+.3f}")
-    if "mtbench_tree_tau" in v:
-        lines.append(f"- MT-bench 16-node tree tau: DFlash {v['mtbench_tree_tau']['dflash']:.3f} against EAGLE-3 "
-                     f"{v['mtbench_tree_tau']['eagle3']:.3f}: {v['mtbench_tree_tau']['difference']:+.3f}")
-    if "served_tokens_per_second" in v:
-        f = v["served_tokens_per_second"]
-        lines.append(f"- llama.cpp, fastest draft length each: DFlash {f['dflash']['tokens_per_second']} tokens/s "
-                     f"(k={f['dflash']['draft_length']}, {f['dflash']['speedup']}x) against EAGLE-3 "
-                     f"{f['eagle3']['tokens_per_second']} (k={f['eagle3']['draft_length']} {f['eagle3']['extra_args']}, "
-                     f"{f['eagle3']['speedup']}x), {f['eagle3']['num_prompts']} MT-bench prompts")
+    for set_name in SETS:
+        if f"{set_name}_tree_tau" in v:
+            t = v[f"{set_name}_tree_tau"]
+            lines.append(f"- {set_name} 16-node tree tau: DFlash {t['dflash']:.3f} against EAGLE-3 {t['eagle3']:.3f}: "
+                         f"{t['difference']:+.3f}")
+    for c in v.get("served_tokens_per_second", []):
+        d, e = c["dflash"], c["eagle3"]
+        lines.append(f"- llama.cpp ({c['source']}, {c['phase']}, {e['num_prompts']} MT-bench prompts, {e['max_new_tokens']} "
+                     f"tokens), fastest draft length each: DFlash {d['tokens_per_second']:.1f} tokens/s (k={d['draft_length']}, "
+                     f"{d['speedup']:.2f}x target-only) against EAGLE-3 {e['tokens_per_second']:.1f} (k={e['draft_length']}"
+                     f"{' ' + e['extra_args'] if e['extra_args'] else ''}, {e['speedup']:.2f}x): "
+                     f"{d['tokens_per_second'] / e['tokens_per_second'] - 1:+.0%}")
     lines += [f"- met: {v.get('met')}", ""]
     if out["notes"]:
         lines += ["## Why, and what it would need", "", out["notes"], ""]
     if out["served_rows"]:
-        lines += [f"## Served by llama.cpp (bench/results/llama_cpp_serving.json, MT-bench, "
-                  f"{out['served_rows'][0]['max_new_tokens']} new tokens)", "",
-                  "| phase | drafter | spec type | k | extra | prompts | served tau | draftlab tau | tokens/s | target-only tokens/s | "
-                  "speedup (min-max) | identical |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["## Served by llama.cpp (MT-bench; each file is one run, its rows interleaved by prompt)", "",
+                  "| file | phase | tokens | drafter | spec type | k | extra | prompts | served tau | draftlab tau | tokens/s | "
+                  "target-only tokens/s | speedup (min-max) | identical |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in out["served_rows"]:
-            lines.append(f"| {r['phase']} | {r['drafter']} | {r['spec_type']} | {r['draft_length']} | "
+            lines.append(f"| {r['source']} | {r['phase']} | {r['max_new_tokens']} | {r['drafter']} | {r['spec_type']} | {r['draft_length']} | "
                          f"{(r.get('extra_args') or '').replace('--spec-draft-p-min', 'p-min')} | {r['prompt_set']} "
                          f"({r['num_prompts']}) | {r['served_acceptance_length']:.3f} | "
                          f"{'' if r['draftlab_acceptance_length'] is None else format(r['draftlab_acceptance_length'], '.3f')} | "
