@@ -588,10 +588,13 @@ def markdown(settings: dict, costs: dict, sweep: list[dict], rows: list[dict]) -
              f"`{settings['command']}`", "",
              f"Target {settings['target']} ({settings['target_gguf']}), llama.cpp {settings['engine']} build "
              f"({settings['llama_cpp']}), {settings['threads']} thread(s) per process, {settings['jobs']} prompt(s) "
-             f"decoded at once, greedy, {settings['max_new_tokens']} new tokens. Sweep: the first "
-             f"{settings['sweep_prompts']} MT-bench prompts, {settings['sweep_repeats']} interleaved repeats; main: "
-             f"{settings['repeats']} interleaved repeats; each drafter's main draft length is its fastest in the sweep "
-             f"({settings['main_draft_lengths']}). Load average (1 min) before / after: "
+             f"decoded at once, greedy, {settings['max_new_tokens']} new tokens. "
+             + (f"Sweep: the first {settings['sweep_prompts']} MT-bench prompts, {settings['sweep_repeats']} interleaved "
+                f"repeats; main: {settings['repeats']} interleaved repeats; each drafter's main draft length is its "
+                f"fastest in the sweep unless the command names one ({settings['main_draft_lengths']}). "
+                if settings.get("sweep_prompts") else
+                f"No sweep; main: {settings['repeats']} interleaved repeat(s), the draft lengths the command names. ")
+             + f"Load average (1 min) before / after: "
              f"{settings['load_average_1min'][0]} / {settings['load_average_1min'][1]} on {settings['cpus']} CPUs. "
              f"State: {settings['state']}.", ""]
     drafted = [r for r in rows if r["drafter"] in ("eagle3", "dflash", "small_lm") or "+" in r["drafter"]]
