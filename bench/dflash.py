@@ -119,7 +119,7 @@ def cmd_store(args) -> None:
 def _timing(stage: str, seconds: float, threads: int) -> None:
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / "timing.jsonl", "a") as f:
-        f.write(json.dumps({"stage": stage, "sample": SAMPLE, "seconds": round(seconds, 1), "threads": threads,
+        f.write(json.dumps({"stage": stage, "run": RUN, "sample": SAMPLE, "seconds": round(seconds, 1), "threads": threads,
                             "load_average": os.getloadavg()[0], "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
                 + "\n")
 
@@ -274,8 +274,9 @@ def cmd_report(args) -> None:
             train[head] = {"label": label, "steps": i.get("steps"), "rows": i.get("rows"),
                            "wall_seconds": round(i.get("wall_seconds", 0)), "overrides": i.get("overrides")}
     timing = previous.get("data_timing", [])
-    if (CACHE / "timing.jsonl").is_file():
-        timing += [t for t in map(json.loads, (CACHE / "timing.jsonl").read_text().splitlines()) if t not in timing]
+    if (CACHE / "timing.jsonl").is_file():   # this run's stages (lines without a run: the default run's)
+        timing += [t for t in map(json.loads, (CACHE / "timing.jsonl").read_text().splitlines())
+                   if t not in timing and t.get("run", RUN if DEFAULT_RUN else None) == RUN]
     verdict = {}
     for set_name in SETS:
         e3 = [r for r in rows if r["drafter"] == "eagle3" and r["prompt_set"] == set_name and not r["tree"]]
