@@ -306,7 +306,9 @@ def cmd_report(args) -> None:
     verdict["met"] = bool(verdict.get("mtbench_chain_tau", {}).get("difference", -1) >= 0 or any(
         c["dflash"]["tokens_per_second"] > c["eagle3"]["tokens_per_second"] for c in comparisons))
     notes = Path(args.notes).read_text().strip() if args.notes and Path(args.notes).is_file() else ""
-    out = {"command": "python bench/dflash.py all", "sample": SAMPLE, "limit": LIMIT, "verdict": verdict,
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("DATA_FILE", "SAMPLE", "LIMIT", "NUM_ANCHORS", "MAX_NEW_TOKENS")
+                   if os.environ.get(k))
+    out = {"command": f"{env + ' ' if env else ''}python bench/dflash.py all", "sample": SAMPLE, "limit": LIMIT, "verdict": verdict,
            "notes": notes, "num_anchors": NUM_ANCHORS,
            "max_new_tokens": MAX_NEW_TOKENS, "train": train, "data_timing": timing, "rows": rows, "served_rows": served}
     OUT.parent.mkdir(parents=True, exist_ok=True)
