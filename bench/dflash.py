@@ -372,7 +372,8 @@ def markdown(out: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("stage", choices=["data", "store", "train", "eval", "report", "all"])
+    ap.add_argument("stage", nargs="+", choices=["data", "store", "train", "eval", "report", "all"],
+                    help="one or more stages, run in the order given (all: the five in order)")
     ap.add_argument("--threads", type=int, default=2, help="store: the target's threads")
     ap.add_argument("--jobs", type=int, default=2, help="eval: processes at once (one thread each)")
     ap.add_argument("--shard", default="", help=argparse.SUPPRESS)
@@ -384,7 +385,7 @@ def main() -> None:
     ap.add_argument("--notes", default=str(ROOT / "bench" / "results" / "dflash_notes.md") if DEFAULT_RUN else "",
                     help="report: a markdown file whose text goes into the report as its reading (why, what it needs)")
     args = ap.parse_args()
-    stages = ["data", "store", "train", "eval", "report"] if args.stage == "all" else [args.stage]
+    stages = [x for stage in args.stage for x in (["data", "store", "train", "eval", "report"] if stage == "all" else [stage])]
     for stage in stages:
         globals()[f"cmd_{stage}"](args)
 
