@@ -58,13 +58,14 @@ SAMPLE = int(os.environ.get("SAMPLE", "3000"))
 LIMIT = int(os.environ.get("LIMIT", "2000"))      # train on the first LIMIT of them (data.limit; 0 = all)
 NUM_ANCHORS = int(os.environ.get("NUM_ANCHORS", "16"))
 # DATA_FILE: train on another conversations file (e.g. cpu_payoff's 16,562) instead of the sampled chat answers
-DATA = Path(os.environ["DATA_FILE"]).resolve() if os.environ.get("DATA_FILE") else ROOT / "data" / f"dfl_chat_n{SAMPLE}.jsonl"
-RUN = (DATA.stem if os.environ.get("DATA_FILE") else f"dfl_chat_n{SAMPLE}") + (f"_l{LIMIT}" if LIMIT else "")
+DATA_FILE = os.environ.get("DATA_FILE", "")
+DATA = Path(DATA_FILE).resolve() if DATA_FILE else ROOT / "data" / f"dfl_chat_n{SAMPLE}.jsonl"
+RUN = (DATA.stem if DATA_FILE else f"dfl_chat_n{SAMPLE}") + (f"_l{LIMIT}" if LIMIT else "")
 STORE = ROOT / "data" / f"{RUN}.store"
 MAX_NEW_TOKENS = int(os.environ.get("MAX_NEW_TOKENS", "64"))
 ANCHORS = "" if NUM_ANCHORS == 16 else f"_a{NUM_ANCHORS}"   # another anchor count: another DFlash run
 LABELS = {"eagle3": f"eagle3_{RUN}", "dflash": f"dflash_{RUN}{ANCHORS}"}
-DEFAULT_RUN = (SAMPLE, LIMIT, NUM_ANCHORS, os.environ.get("DATA_FILE", "")) == (3000, 2000, 16, "")
+DEFAULT_RUN = (SAMPLE, LIMIT, NUM_ANCHORS, DATA_FILE) == (3000, 2000, 16, "")
 OUT = ROOT / "bench" / "results" / ("dflash" if DEFAULT_RUN else f"dflash_{RUN}{ANCHORS}")   # another size: its own file
 COMMON = ["--data", str(DATA), "--store", str(STORE), "--limit", str(LIMIT), "--epochs", "1", "--points", "4",
           "--batch-size", "4",
@@ -96,7 +97,7 @@ def log(msg: str) -> None:
 
 
 def cmd_data(args) -> None:
-    if os.environ.get("DATA_FILE") and not DATA.is_file():
+    if DATA_FILE and not DATA.is_file():
         sys.exit(f"DATA_FILE={DATA}: no such file (a JSONL of conversations, as data.train reads)")
     if DATA.is_file():
         return log(f"{DATA} exists")
@@ -152,9 +153,7 @@ def cmd_eval(args) -> None:
     import torch
 
     torch.set_num_threads(1)
-    reported = set()
-    if OUT.with_suffix(".json").is_file() and not args.rescore:
-        reported = {(r["drafter"], r["shape"], r["prompt_set"]) for r in json.loads(OUT.with_suffix(".json").read_text())["rows"]}
+    reported = set() if args.rescore else {(r["drafter"], r["shape"], r["prompt_set"]) for r in _results().get("rows", [])}
     jobs = [(h, s, spec, b, n) for n in SETS for h, s, spec, b in ROWS
             if not row_path(h, s, n).is_file() and (h, s, n) not in reported]
     if args.sets:
@@ -234,10 +233,15 @@ def _last_step(run: Path) -> Path:
     return steps[-1]
 
 
+def _results() -> dict:
+    """This run's results file as written last ({} before the first report)."""
+    return json.loads(OUT.with_suffix(".json").read_text()) if OUT.with_suffix(".json").is_file() else {}
+
+
 def cmd_report(args) -> None:
     # Rows scored in an earlier session whose cache is gone (bench/results/cache is not committed) are carried over
-    # from the results file as they were, with the date they were scored; a cached row replaces its old one.
-    previous = json.loads(OUT.with_suffix(".json").read_text()) if OUT.with_suffix(".json").is_file() else {}
+    # from the results file as they were; a cached row replaces its old one and carries the date it was scored.
+    previous = _results()
     carried = {(r["drafter"], r["shape"], r["prompt_set"]): r for r in previous.get("rows", [])}
     rows = []
     for set_name in SETS:
@@ -370,9 +374,12 @@ def markdown(out: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+STAGES = ["data", "store", "train", "eval", "report"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("stage", nargs="+", choices=["data", "store", "train", "eval", "report", "all"],
+    ap.add_argument("stage", nargs="+", choices=[*STAGES, "all"],
                     help="one or more stages, run in the order given (all: the five in order)")
     ap.add_argument("--threads", type=int, default=2, help="store: the target's threads")
     ap.add_argument("--jobs", type=int, default=2, help="eval: processes at once (one thread each)")
@@ -385,7 +392,7 @@ def main() -> None:
     ap.add_argument("--notes", default=str(ROOT / "bench" / "results" / "dflash_notes.md") if DEFAULT_RUN else "",
                     help="report: a markdown file whose text goes into the report as its reading (why, what it needs)")
     args = ap.parse_args()
-    stages = [x for stage in args.stage for x in (["data", "store", "train", "eval", "report"] if stage == "all" else [stage])]
+    stages = [x for stage in args.stage for x in (STAGES if stage == "all" else [stage])]
     for stage in stages:
         globals()[f"cmd_{stage}"](args)
 

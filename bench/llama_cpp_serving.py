@@ -383,7 +383,6 @@ def make_rows(results: dict, costs: dict, draftlab: dict, phase: str) -> list[di
     return rows
 
 
-
 def fastest_lengths(sweep_rows: list[dict]) -> dict[str, tuple[int, float]]:
     """Each drafter's fastest draft length in the sweep, with its tokens/s (p-min rows and target-only left out)."""
     best = {}
@@ -392,6 +391,7 @@ def fastest_lengths(sweep_rows: list[dict]) -> dict[str, tuple[int, float]]:
                 r["drafter"] not in best or r["tokens_per_second"] > best[r["drafter"]][1]):
             best[r["drafter"]] = (r["draft_length"], r["tokens_per_second"])
     return best
+
 
 def main() -> None:
     from draftlab import llama_cpp_tools as lct
