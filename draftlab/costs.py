@@ -20,9 +20,8 @@ import time
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
 
-from draftlab.trees import TreeSpec, tree_attention_bias, tree_position_ids
+from draftlab.trees import TreeSpec, tree_masks, tree_position_ids, whole_cache
 from draftlab.verify import Sampling
 
 
@@ -63,7 +62,7 @@ def measure_verify_cost(target, prompt_ids: Tensor, sizes: list[int], *, tree: b
     are returned too when the proposer needs them, as in the evaluator.
     """
     device = target.device
-    cache = DynamicCache(config=target.config)
+    cache = whole_cache()
     target(input_ids=prompt_ids.to(device)[None], past_key_values=cache, use_cache=True)
     prefix = cache.get_seq_length()
 
@@ -72,7 +71,7 @@ def measure_verify_cost(target, prompt_ids: Tensor, sizes: list[int], *, tree: b
         mask = positions = None
         if tree and n > 1:
             parents = torch.tensor([-1] + [(-1 if i % 2 else 0) for i in range(1, n - 1)], device=device)
-            mask = tree_attention_bias(parents, prefix, target.dtype)
+            mask = tree_masks(target.config, parents, prefix, target.dtype)
             positions = tree_position_ids(parents, prefix)[None]
 
         def forward():
@@ -92,7 +91,7 @@ def measure_draft_cost(target, proposer, prompt_ids: Tensor, lengths: list[int],
     device = target.device
     layers = tuple(proposer.feature_layers)
     prompt = prompt_ids.to(device).long()
-    cache = DynamicCache(config=target.config)
+    cache = whole_cache()
     out = target(input_ids=prompt[None], past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
     proposer.reset(prompt)
     from draftlab.target import target_features

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from draftlab.report import build_report
 from draftlab.target import target_features
-from draftlab.trees import TreeSpec, tree_attention_bias, tree_position_ids
+from draftlab.trees import TreeSpec, tree_masks, tree_position_ids, whole_cache
 from draftlab.verify import Sampling, accept
 
 
@@ -125,7 +125,7 @@ def speculative_generate(target, proposer, prompt_ids: Tensor, spec: TreeSpec, s
     _sync(device)
     start = time.perf_counter()
 
-    cache = DynamicCache(config=target.config)
+    cache = whole_cache()
     proposer.reset(prompt)
     out = target(input_ids=prompt[None], past_key_values=cache, use_cache=True, output_hidden_states=bool(layers))
     root = sampling.sample(out.logits[0, -1], generator).reshape(1)
@@ -144,7 +144,7 @@ def speculative_generate(target, proposer, prompt_ids: Tensor, spec: TreeSpec, s
             mask = positions = None
         else:
             parents = tree.parents.to(device)
-            mask = tree_attention_bias(parents, prefix, target.dtype)
+            mask = tree_masks(target.config, parents, prefix, target.dtype)
             positions = tree_position_ids(parents, prefix)[None]
         out = target(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                      use_cache=True, output_hidden_states=bool(layers))
@@ -184,7 +184,7 @@ def target_generate(target, prompt_ids: Tensor, max_new_tokens: int, eos_token_i
     _sync(device)
     start = time.perf_counter()
 
-    cache = DynamicCache(config=target.config)
+    cache = whole_cache()
     out = target(input_ids=prompt[None], past_key_values=cache, use_cache=True)
     token = sampling.sample(out.logits[0, -1], generator).reshape(1)
     result = GenerationResult(tokens=[], seconds=0.0)

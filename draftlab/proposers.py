@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
 
 from draftlab import drafting, vocab
-from draftlab.trees import DraftTree, TreeSpec, additive, chain, empty_tree, static_tree_layout
+from draftlab.trees import DraftTree, TreeSpec, additive, chain, empty_tree, layer_masks, static_tree_layout, whole_cache
 from draftlab.verify import Sampling
 
 
@@ -157,8 +156,9 @@ class CausalLMProposer:
 
     def reset(self, prompt_ids: Tensor) -> None:
         self.seq = prompt_ids.reshape(-1).tolist()
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = whole_cache()
         self.cached: list[int | None] = []        # the token of each cache entry (None: a tree entry)
+        self.positions: list[int] = []            # the position of each cache entry (sliding-window masks)
         self.verified = 0                         # cached[:verified] are committed tokens
         self.fed: list[int] = []                  # this round's draft nodes, in cache order
 
@@ -184,9 +184,10 @@ class CausalLMProposer:
             keep += 1
         if len(self.cached) > keep:
             self.cache.crop(-(len(self.cached) - keep))
-            del self.cached[keep:]
+            del self.cached[keep:], self.positions[keep:]
         logits = self._forward(self.seq[keep:], 1)[-1]
         self.cached.extend(self.seq[keep:])
+        self.positions.extend(range(keep, len(self.seq)))
         self.verified, self.prefix, self.fed = len(self.seq), len(self.cached), []
         return logits
 
@@ -195,12 +196,17 @@ class CausalLMProposer:
         if len(nodes) == 1 and tree.path(tree.parents[nodes[0]]) == self.fed:
             logits = self._forward(ids, 1)             # the chain so far: the model's own causal mask
             self.cached.extend(ids)
+            self.positions.append(len(self.positions))
         else:
             device = self.model.device
             visible = tree.visibility(nodes, self.prefix, self.fed, device)
-            positions = torch.tensor([[self.prefix - 1 + tree.depths[n] for n in nodes]], device=device)
-            logits = self._forward(ids, 0, attention_mask=additive(visible, self.model.dtype), position_ids=positions)
+            depths = [self.prefix - 1 + tree.depths[n] for n in nodes]
+            positions = torch.tensor([depths], device=device)
+            mask = layer_masks(self.model.config, additive(visible, self.model.dtype), positions[0],
+                               torch.tensor(self.positions + depths, device=device))
+            logits = self._forward(ids, 0, attention_mask=mask, position_ids=positions)
             self.cached.extend([None] * len(nodes))
+            self.positions.extend(depths)
         self.fed += nodes
         return logits
 

@@ -27,14 +27,134 @@ LAYER_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_si
                      "rope_parameters", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
+# ----------------------------------------------------------------------------------------------------------
+# dense draft layers: what every feature-level kind (EAGLE, EAGLE-3, Gumiho, DFlash) stacks, whatever the target
+
+
+def full_attention_rope(text) -> dict:
+    """The target's rope parameters of its full-attention layers, as one flat dict a Llama layer takes: a per
+    layer-type dict (Gemma 3: local and global theta) gives its `full_attention` entry; a partial rotary factor (the
+    target's own head layout) is dropped, since the draft layer rotates its whole head."""
+    rope = dict(getattr(text, "rope_parameters", None) or {})
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        rope = dict(rope.get("full_attention") or next(iter(rope.values())))
+    rope.pop("partial_rotary_factor", None)
+    rope.setdefault("rope_theta", getattr(text, "rope_theta", None) or 10000.0)
+    rope.setdefault("rope_type", "default")
+    return rope
+
+
+def dense_width(text) -> int:
+    """The draft layer's MLP width: the target's `intermediate_size` (its dense MLP; in MoE configs the width that
+    key holds: Qwen3-MoE's dense layers, one Mixtral / gpt-oss expert), else its expert width, else 4 x hidden."""
+    for key in ("intermediate_size", "moe_intermediate_size"):
+        width = getattr(text, key, None)
+        if isinstance(width, int) and width > 0:
+            return width
+    return 4 * text.hidden_size
+
+
+def dense_config(text, num_layers: int):
+    """A `LlamaConfig` for a `num_layers` draft stack sized from the target's text config `text`: hidden size,
+    attention and KV heads, head size, MLP width (`dense_width`), norm epsilon, the full-attention rope, vocabulary
+    and special ids. Whatever the target's own layer is (Gemma's (1+w) norms and soft-capped attention, Phi-3's fused
+    projections, OLMo 2's post-norms, MoE blocks, sliding windows), the draft layer is the dense pre-norm Llama layer
+    with SiLU that vLLM, SGLang and llama.cpp build for EAGLE heads; tree masks need sdpa or eager attention."""
+    from transformers import LlamaConfig
+
+    heads = text.num_attention_heads
+    eps = next((v for v in (getattr(text, k, None) for k in ("rms_norm_eps", "layer_norm_eps", "norm_eps"))
+                if isinstance(v, float)), 1e-6)
+    config = LlamaConfig(
+        vocab_size=text.vocab_size, hidden_size=text.hidden_size, intermediate_size=dense_width(text),
+        num_hidden_layers=num_layers, num_attention_heads=heads,
+        num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, hidden_act="silu",
+        max_position_embeddings=getattr(text, "max_position_embeddings", None) or 4096,
+        initializer_range=getattr(text, "initializer_range", None) or 0.02, rms_norm_eps=eps,
+        rope_parameters=full_attention_rope(text), attention_bias=False, mlp_bias=False,
+        bos_token_id=getattr(text, "bos_token_id", None), eos_token_id=getattr(text, "eos_token_id", None),
+        pad_token_id=getattr(text, "pad_token_id", None), tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def copy_matching(mine: torch.nn.Module, theirs: torch.nn.Module, widen: int = 0) -> tuple[list[str], list[str]]:
+    """Start the draft layer `mine` from the target layer `theirs` where the two compute the same thing: each of
+    mine's leaf modules (projections, norms) takes the same-named module's weights when every shape matches; a
+    module other than a Linear (a norm) keeps them only if it then gives theirs' output on a random probe (Gemma's
+    (1+w) RMSNorm does not). widen > 0: a Linear of mine whose input is `widen` wider than theirs (EAGLE-3's q/k/v
+    read [emb; hidden]) takes theirs in its last columns, zeros before. Returns (copied, not copied) module names."""
+    copied, skipped = [], []
+    theirs_modules = dict(theirs.named_modules())
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, module in mine.named_modules():
+            own = dict(module.named_parameters(recurse=False))
+            if not own:
+                continue
+            source = theirs_modules.get(name)
+            given = dict(source.named_parameters(recurse=False)) if source is not None else {}
+            if set(given) != set(own):
+                skipped.append(name)
+                continue
+            if isinstance(module, torch.nn.Linear) and widen and all(
+                    own[k].shape[:-1] == given[k].shape[:-1] and own[k].shape[-1] == given[k].shape[-1] + widen
+                    for k in own if k == "weight") and all(own[k].shape == given[k].shape for k in own if k != "weight"):
+                own["weight"].zero_()
+                own["weight"][..., widen:] = given["weight"]
+                for k in own:
+                    if k != "weight":
+                        own[k].copy_(given[k])
+                copied.append(name)
+                continue
+            if any(own[k].shape != given[k].shape for k in own):
+                skipped.append(name)
+                continue
+            before = {k: v.clone() for k, v in own.items()}
+            for k in own:
+                own[k].copy_(given[k])
+            if not isinstance(module, torch.nn.Linear):
+                width = next(iter(own.values())).shape[-1]
+                probe = torch.randn(3, width, generator=generator).to(next(iter(own.values())))
+                try:
+                    same = torch.allclose(module(probe), source(probe), rtol=1e-4, atol=1e-5)
+                except Exception:     # a module that needs more than one tensor: no way to tell, keep it fresh
+                    same = False
+                if not same:
+                    for k in own:
+                        own[k].copy_(before[k])
+                    skipped.append(name)
+                    continue
+            copied.append(name)
+    return copied, [n for n in skipped] + sorted(
+        n for n, m in theirs_modules.items() if n and dict(m.named_parameters(recurse=False))
+        and n not in dict(mine.named_modules()))
+
+
+def embed_tokens(embedding: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The target's token embedding rows for ids, unscaled: what an engine's draft layer reads from the shared
+    embedding table (a target that scales its embeddings, as Gemma does by sqrt(hidden), does so in its own model
+    forward or embedding module, which a served draft model does not run)."""
+    return torch.nn.functional.embedding(ids, embedding.weight)
+
+
+def report_init(kind: str, skipped) -> None:
+    """One line naming what `init_from_target` could not take from the target's layers (nothing for Llama-style
+    targets, whose layers are the draft layer's own)."""
+    if skipped:
+        print(f"{kind}: init_from_target: started fresh where the target's layer is not a dense Llama layer's: "
+              f"{', '.join(sorted(skipped))}", flush=True)
+
+
 def layer_config(text, num_layers: int) -> dict:
-    """The target's text config for a `num_layers` draft stack: the keys of the speculators template, today's
-    rope_parameters and the legacy rope keys that older transformers and the official EAGLE code read."""
-    full = text.to_dict()
+    """The config keys of a `num_layers` dense draft stack (`dense_config`) as exports write them: the keys of the
+    speculators template, today's rope_parameters and the legacy rope keys that older transformers and the
+    official EAGLE code read."""
+    dense = dense_config(text, num_layers)
+    full = dense.to_dict()
     config = {key: full[key] for key in LAYER_CONFIG_KEYS if key in full}
-    config.update(num_hidden_layers=num_layers, tie_word_embeddings=False, **legacy_rope(text))
-    if full.get("layer_types"):
-        config["layer_types"] = full["layer_types"][:num_layers]
+    config.update(num_hidden_layers=num_layers, tie_word_embeddings=False, **legacy_rope(dense))
     return config
 
 

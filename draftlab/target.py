@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from draftlab.errors import TargetError
+from draftlab.trees import VERIFIABLE_LAYERS, attention_kinds
 
 PACKAGE_PREFIX = "package:"
 HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -324,6 +325,34 @@ def _tokenizer(source: str):
     return tokenizer
 
 
+def _config(source: str):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(source)
+    except Exception as e:
+        raise _load_fails(source, e) from None
+
+
+def check_speculable(config, name: str = "the target") -> None:
+    """Refuse, in one line and before any weight loads, a target whose state after a rejected draft cannot be
+    rolled back: a recurrent / state-space layer (transformers marks such models `_is_stateful`; hybrids name
+    `linear_attention` or `mamba` layers) keeps one state that the rejected tokens have already updated."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    text = config.get_text_config(decoder=True)
+    try:
+        stateful = bool(getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)], "_is_stateful", False))
+    except KeyError:
+        stateful = False
+    other = sorted(attention_kinds(text) - set(VERIFIABLE_LAYERS))
+    if stateful or other:
+        what = f"{', '.join(other)} layers" if other else "recurrent (state-space) layers"
+        raise TargetError(f"target {name} ({config.model_type}) has {what}, whose state cannot be rolled back after a "
+                          f"rejected draft, so speculative decoding cannot verify drafts on it: draftlab supports "
+                          f"targets whose layers are all attention ({' or '.join(VERIFIABLE_LAYERS)})")
+
+
 def load_target(path: str, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"):
     """Load the target as a frozen, eval-mode causal LM and its tokenizer: `(model, tokenizer)`.
 
@@ -332,6 +361,7 @@ def load_target(path: str, dtype: str | torch.dtype = "auto", device: str | torc
     from transformers import AutoModelForCausalLM
 
     source = _local_source(path)
+    check_speculable(_config(source), path)
     tokenizer = _tokenizer(source)
     dev = pick_device(device)
     try:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from transformers import DynamicCache
 
 PROPOSALS = ("topk", "with_replacement", "without_replacement")
 TREE_KINDS = ("chain", "static", "dynamic")
@@ -168,6 +169,54 @@ def tree_attention_bias(parents: Tensor, prefix_len: int, dtype: torch.dtype) ->
     bias = torch.zeros(1, 1, n1, prefix_len + n1, dtype=dtype, device=parents.device)
     bias[0, 0, :, prefix_len:].masked_fill_(~tree, torch.finfo(dtype).min)
     return bias
+
+
+# The attention layers draftlab verifies drafts with: their KV cache can be cropped (or compacted to a tree path)
+# after a rejected draft. A sliding-window layer is kept whole and windowed by its mask (`layer_masks`).
+VERIFIABLE_LAYERS = ("full_attention", "sliding_attention")
+
+
+def attention_kinds(text) -> set[str]:
+    """The kinds of a model's layers (transformers' `layer_types`: full_attention, sliding_attention,
+    linear_attention, ...); a config without them is all full attention, or all sliding-window where it sets a
+    `sliding_window` (as Mistral, Mixtral, Phi-3 and Qwen3-MoE build their masks)."""
+    types = getattr(text, "layer_types", None)
+    if types:
+        return set(types)
+    return {"sliding_attention" if getattr(text, "sliding_window", None) else "full_attention"}
+
+
+def whole_cache() -> DynamicCache:
+    """A KV cache for speculative decoding: every layer keeps every position (a `DynamicCache` built without the
+    model's config), sliding-window layers included, which their masks window instead (`layer_masks`, and the
+    model's own masks for a chain). A cache that drops old positions, as transformers builds for those layers, can
+    be neither cropped back after a rejected draft nor compacted to a tree path."""
+    return DynamicCache()
+
+
+def layer_masks(config, bias: Tensor, query_pos: Tensor, key_pos: Tensor) -> Tensor | dict[str, Tensor]:
+    """An explicit additive mask bias [1, 1, q, k] (a tree mask over a `whole_cache`) as the model's layers need it.
+    query_pos [q] / key_pos [k]: the positions of the queries and of every cached + new key. Sliding-window layers
+    also mask every key `sliding_window` or more positions before its query (transformers' rule, on positions: a
+    tree node at depth d sits at prefix + d); a model with both kinds of layers (Gemma 3, gpt-oss: `layer_types`)
+    gets one mask per kind, the mapping transformers' models take instead of a single mask."""
+    text = config.get_text_config(decoder=True)
+    kinds = attention_kinds(text)
+    if "sliding_attention" not in kinds:
+        return bias
+    far = key_pos[None, :] <= query_pos[:, None] - text.sliding_window
+    sliding = bias.masked_fill(far, torch.finfo(bias.dtype).min)
+    if kinds == {"sliding_attention"}:
+        return sliding
+    return {kind: sliding if kind == "sliding_attention" else bias for kind in kinds}
+
+
+def tree_masks(config, parents: Tensor, prefix: int, dtype: torch.dtype) -> Tensor | dict[str, Tensor]:
+    """`tree_attention_bias` of a verification forward over (root, nodes) after `prefix` cached positions, as the
+    target's layers need it (`layer_masks`)."""
+    query = tree_position_ids(parents, prefix)
+    key = torch.cat([torch.arange(prefix, device=query.device), query])
+    return layer_masks(config, tree_attention_bias(parents, prefix, dtype), query, key)
 
 
 def additive(visible: Tensor, dtype: torch.dtype) -> Tensor:

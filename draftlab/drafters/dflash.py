@@ -29,7 +29,6 @@ full LM head (llama.cpp reads a d2t map only for its DSpark variants).
 """
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,10 +38,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftlab import drafting, packing
 from draftlab.drafters.options import DrafterConfig, check_target_size, settings
-from draftlab.serving import layer_config
+from draftlab.serving import dense_config, embed_tokens, layer_config
 from draftlab.trees import additive
 
 PAPER_DECAY = {16: 7.0, 10: 5.0, 8: 4.0}      # gamma per block size (the paper's training recipe)
@@ -203,11 +203,12 @@ class DFlashDrafter(nn.Module):
                  num_anchors: int = DFlashConfig.num_anchors, loss_decay: float = DFlashConfig.loss_decay,
                  layer_shape: dict | None = None):
         super().__init__()
-        decoder = target.get_decoder()
-        config = copy.deepcopy(target.config.get_text_config(decoder=True))
+        L = target.config.get_text_config(decoder=True).num_hidden_layers
+        # dense Qwen3-style layers sized from the target, whatever its own layers are (serving.dense_config; the
+        # q/k norms are BlockAttention's own): what the engines' DFlash loaders build
+        config = dense_config(target.config.get_text_config(decoder=True), num_layers)
         for key, value in (layer_shape or {}).items():      # a foreign drafter's own widths (foreign.py)
             setattr(config, key, value)
-        L = config.num_hidden_layers
         layers = list(target_layers) if target_layers else default_target_layers(L, num_layers)
         if num_layers < 1 or block_size < 2 or num_anchors < 1:
             raise ValueError(f"drafter.num_layers={num_layers}, block_size={block_size}, num_anchors={num_anchors}: "
@@ -226,7 +227,7 @@ class DFlashDrafter(nn.Module):
         from draftlab.target import target_fingerprint
         self.target_fingerprint = target_fingerprint(target)
 
-        d, norm_cls, mlp_cls = config.hidden_size, type(decoder.norm), type(decoder.layers[0].mlp)
+        d, norm_cls, mlp_cls = config.hidden_size, LlamaRMSNorm, LlamaMLP
         self.fc = nn.Linear(len(layers) * d, d, bias=False)
         self.hidden_norm = norm_cls(d, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config, norm_cls, mlp_cls) for _ in range(num_layers))
@@ -240,7 +241,8 @@ class DFlashDrafter(nn.Module):
         embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         for module in (embed, lm_head):
             module.requires_grad_(False)
-        self._borrowed = SimpleNamespace(embed=embed, lm_head=lm_head, rotary=decoder.rotary_emb)
+        self._borrowed = SimpleNamespace(embed=embed, lm_head=lm_head)
+        self.rotary = LlamaRotaryEmbedding(config)      # the target's full-attention rope (no saved weights)
         self.to(device=embed.weight.device)
 
     # --- construction -------------------------------------------------------------------------------------
@@ -281,15 +283,15 @@ class DFlashDrafter(nn.Module):
 
     def context_kv(self, ctx: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """Each layer's keys and values of the context c [B,C,d] at positions [B,C]: [(k, v)], each [B,Hkv,C,hd]."""
-        cos, sin = self._borrowed.rotary(ctx, positions)
+        cos, sin = self.rotary(ctx, positions)
         return [layer.self_attn.keys_values(ctx, cos, sin) for layer in self.layers]
 
     def block_states(self, block_ids: Tensor, positions: Tensor, ctx_kv: list[tuple[Tensor, Tensor]],
                      mask: Tensor | None) -> Tensor:
         """block_ids, positions [B,Q]; ctx_kv from `context_kv`; mask additive [B,1,Q,C+Q] (None: every key
         visible, as at inference). Returns the final-normed block states [B,Q,d]."""
-        h = self._borrowed.embed(block_ids).to(self.fc.weight.dtype)
-        cos, sin = self._borrowed.rotary(h, positions)
+        h = embed_tokens(self._borrowed.embed, block_ids).to(self.fc.weight.dtype)
+        cos, sin = self.rotary(h, positions)
         for layer, (k, v) in zip(self.layers, ctx_kv):
             h = layer(h, cos, sin, k, v, mask)
         return self.norm(h)
@@ -364,8 +366,7 @@ class DFlashDrafter(nn.Module):
         out_config.setdefault("head_dim", text.hidden_size // out_config["num_attention_heads"])
         out_config.update(block_size=int(config["block_size"]), num_target_layers=text.num_hidden_layers,
                           layer_types=["full_attention"] * layers, use_sliding_window=False, sliding_window=None,
-                          max_window_layers=layers, attention_bias=bool(
-                              shape.get("attention_bias", getattr(text, "attention_bias", False))),
+                          max_window_layers=layers, attention_bias=bool(shape.get("attention_bias", False)),
                           dflash_config={"block_size": int(config["block_size"]),
                                          "mask_token_id": int(config["mask_token_id"]),
                                          "target_layer_ids": [int(i) for i in config["target_layers"]]},

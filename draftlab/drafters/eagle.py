@@ -20,7 +20,6 @@ code's extra factor 512/T: it makes the noise depend on the sample length (about
 """
 from __future__ import annotations
 
-import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,12 +29,13 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
 from draftlab import drafting, packing, vocab
 from draftlab.drafters.options import (DrafterConfig, DraftVocabOption, EagleHeadOptions, check_target_size,
                                        setting_names, settings)
 from draftlab.errors import HubError
-from draftlab.serving import layer_config
+from draftlab.serving import copy_matching, dense_config, embed_tokens, layer_config, report_init
 from draftlab.trees import additive
 
 
@@ -138,13 +138,8 @@ class EagleHead(nn.Module):
                  draft_vocab: list[int] | None = None):
         super().__init__()
         decoder = target.get_decoder()
-        config = copy.deepcopy(target.config.get_text_config(decoder=True))
-        config.num_hidden_layers = num_layers
-        if getattr(config, "layer_types", None) is not None:
-            config.layer_types = list(config.layer_types)[:num_layers]
-        # Tree drafting needs explicit 4-D masks, which flash-attention kernels do not take.
-        if config._attn_implementation not in ("eager", "sdpa"):
-            config._attn_implementation = "sdpa"
+        # a dense Llama-style stack sized from the target, whatever the target's own layers are (serving.dense_config)
+        config = dense_config(target.config.get_text_config(decoder=True), num_layers)
         self.num_layers, self.feature_noise = num_layers, feature_noise
         self.reg_weight, self.cls_weight, self.fc_bias = reg_weight, cls_weight, fc_bias
         vocab.check_size(draft_vocab_size)
@@ -158,15 +153,15 @@ class EagleHead(nn.Module):
 
         d = config.hidden_size
         self.fc = nn.Linear(2 * d, d, bias=fc_bias)
-        layer_cls = type(decoder.layers[0])
-        self.layers = nn.ModuleList(layer_cls(config, layer_idx=i) for i in range(num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, layer_idx=i) for i in range(num_layers))
         # EAGLE-1: the fused input is not normalised before the first attention.
         self.layers[0].input_layernorm = nn.Identity()
 
         embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         for module in (embed, lm_head):
             module.requires_grad_(False)
-        self._borrowed = SimpleNamespace(embed=embed, lm_head=lm_head, rotary=decoder.rotary_emb)
+        self._borrowed = SimpleNamespace(embed=embed, lm_head=lm_head)
+        self.rotary = LlamaRotaryEmbedding(config)      # the target's full-attention rope (no saved weights)
         self.draft_head = vocab.DraftHead(lm_head, self.vocab_size)
         if init_from_target:
             self._copy_target_layers(decoder)
@@ -177,10 +172,11 @@ class EagleHead(nn.Module):
     def _copy_target_layers(self, decoder) -> None:
         """Data-efficient start: the head's decoder layers begin as the target's last ones (which already map a
         late hidden state to the next one); the fusion FC starts as [0 | I], passing f_t through unchanged."""
+        skipped = set()
+        for mine, theirs in zip(self.layers, decoder.layers[-len(self.layers):]):
+            skipped.update(copy_matching(mine, theirs)[1])
+        report_init(self.kind, skipped)
         with torch.no_grad():
-            for mine, theirs in zip(self.layers, decoder.layers[-len(self.layers):]):
-                own = mine.state_dict()
-                mine.load_state_dict({k: v for k, v in theirs.state_dict().items() if k in own}, strict=False)
             d = self.hidden_size
             self.fc.weight.zero_()
             self.fc.weight[:, d:] = torch.eye(d)
@@ -222,7 +218,7 @@ class EagleHead(nn.Module):
         [B,1,S,K] with K = cached pairs + S (None: attend to everything), cache: the head's KV cache, extended
         in place. Returns the predicted next features f^_{t+1}, [B,S,d]."""
         hidden = self.fuse(features, input_ids)
-        position_embeddings = self._borrowed.rotary(hidden, position_ids)
+        position_embeddings = self.rotary(hidden, position_ids)
         if attention_mask is not None:
             attention_mask = attention_mask.to(hidden.dtype)
         for layer in self.layers:
@@ -234,7 +230,7 @@ class EagleHead(nn.Module):
     def fuse(self, features: Tensor, input_ids: Tensor) -> Tensor:
         """FC([emb(x_{t+1}); f_t]): features [..., d], input_ids [...] -> the decoder's input [..., d]."""
         dtype = self.fc.weight.dtype
-        emb = self._borrowed.embed(input_ids).to(dtype)
+        emb = embed_tokens(self._borrowed.embed, input_ids).to(dtype)
         return self.fc(torch.cat([emb, features.to(dtype)], dim=-1))
 
     def logits(self, hidden: Tensor) -> Tensor:

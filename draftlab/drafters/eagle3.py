@@ -51,11 +51,12 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor, nn
 from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draftlab import packing, vocab
 from draftlab.drafters.eagle import EagleProposer, own_feature_steps, ttt_mask, with_feature_noise
 from draftlab.drafters.options import DrafterConfig, DraftVocabOption, check_target_size, settings
-from draftlab.serving import layer_config
+from draftlab.serving import copy_matching, dense_config, embed_tokens, layer_config, report_init
 from draftlab.vocab import AUTO_DRAFT_VOCAB, expand_logits, vocab_maps
 
 
@@ -134,13 +135,11 @@ class EagleHead3(nn.Module):
                  feature_noise: float = Eagle3Config.feature_noise):
         super().__init__()
         decoder = target.get_decoder()
-        config = copy.deepcopy(target.config.get_text_config(decoder=True))
-        num_target_layers = config.num_hidden_layers
-        config.num_hidden_layers = 1
-        if getattr(config, "layer_types", None) is not None:
-            config.layer_types = list(config.layer_types)[:1]
-        if config._attn_implementation not in ("eager", "sdpa"):     # tree masks need explicit 4-D masks
-            config._attn_implementation = "sdpa"
+        text = target.config.get_text_config(decoder=True)
+        num_target_layers = text.num_hidden_layers
+        # one dense Llama-style layer sized from the target, whatever its own layers are: what the engines build for
+        # EAGLE-3 (serving.dense_config)
+        config = dense_config(text, 1)
         aux = list(aux_layers) if aux_layers else default_aux_layers(num_target_layers)
         if len(aux) < 2 or not all(0 <= i < num_target_layers for i in aux):
             raise ValueError(f"drafter.aux_layers={aux}: EAGLE-3 fuses at least 2 residual states with indices in "
@@ -168,24 +167,25 @@ class EagleHead3(nn.Module):
         self.norm_before_fc, self.norm_before_residual = norm_before_fc, norm_before_residual
         self.norm_output = norm_output
         self.fc = nn.Linear(len(aux) * d, d, bias=False)
-        self.layer = type(decoder.layers[0])(config, layer_idx=0)
+        self.layer = LlamaDecoderLayer(config, layer_idx=0)
         if norm_before_fc:
-            self.input_norm = type(decoder.norm)(len(aux) * d, eps=config.rms_norm_eps)
+            self.input_norm = LlamaRMSNorm(len(aux) * d, eps=config.rms_norm_eps)
         self.emb_norm = copy.deepcopy(self.layer.input_layernorm)     # input_layernorm normalises the hidden s
         attn = self.layer.self_attn
         for name in ("q_proj", "k_proj", "v_proj"):                    # attention reads [emb; hidden]: 2d wide
             old = getattr(attn, name)
             setattr(attn, name, nn.Linear(2 * d, old.out_features, bias=old.bias is not None))
-        self.norm = copy.deepcopy(decoder.norm).requires_grad_(True)
+        self.norm = LlamaRMSNorm(d, eps=config.rms_norm_eps)
         self.lm_head = nn.Linear(d, self.draft_vocab_size or config.vocab_size, bias=False)
         self.lm_head.requires_grad_(train_lm_head)   # frozen: not saved, rebuilt from the target's rows on load
 
         embed, target_head = target.get_input_embeddings(), target.get_output_embeddings()
         for module in (embed, target_head):
             module.requires_grad_(False)
-        self._borrowed = SimpleNamespace(embed=embed, lm_head=target_head, rotary=decoder.rotary_emb)
+        self._borrowed = SimpleNamespace(embed=embed, lm_head=target_head)
+        self.rotary = LlamaRotaryEmbedding(config)      # the target's full-attention rope (no saved weights)
         if init_from_target:
-            self._copy_target_layer(decoder.layers[-1])
+            self._copy_target_layer(decoder.layers[-1], getattr(decoder, "norm", nn.Identity()))
         self.to(device=embed.weight.device)
         self.register_buffer("draft_vocab", torch.arange(self.lm_head.out_features, device=embed.weight.device),
                              persistent=False)
@@ -195,20 +195,18 @@ class EagleHead3(nn.Module):
         else:
             self._init_lm_head()
 
-    def _copy_target_layer(self, last) -> None:
-        """Data-efficient start: the decoder layer begins as the target's last one. Its q/k/v read the hidden half
-        of [emb; hidden] with the target's weights (the embedding half starts at zero), both input norms start
-        as the target's, and the fusion FC passes the highest fused layer through unchanged."""
+    def _copy_target_layer(self, last, final_norm) -> None:
+        """Data-efficient start: the decoder layer begins as the target's last one where they compute the same
+        thing (`serving.copy_matching`). Its q/k/v read the hidden half of [emb; hidden] with the target's weights
+        (the embedding half starts at zero), both input norms start as the target's, the output norm as its final
+        norm, and the fusion FC passes the highest fused layer through unchanged."""
         d = self.hidden_size
+        skipped = set(copy_matching(self.layer, last, widen=d)[1])
+        skipped.update(f"emb_norm <- {n or 'input_layernorm'}" for n in copy_matching(
+            self.emb_norm, getattr(last, "input_layernorm", nn.Identity()))[1])
+        skipped.update(f"norm <- final norm{n and '.' + n}" for n in copy_matching(self.norm, final_norm)[1])
+        report_init(self.kind, skipped)
         with torch.no_grad():
-            own = self.layer.state_dict()
-            for key, value in last.state_dict().items():
-                if key in own and own[key].shape == value.shape:
-                    own[key].copy_(value)
-                elif key in own and own[key].shape[-1] == 2 * d:       # q/k/v: [out, 2d] <- [out, d]
-                    own[key].zero_()
-                    own[key][:, d:] = value
-            self.emb_norm.load_state_dict(last.input_layernorm.state_dict())
             self.fc.weight.zero_()
             self.fc.weight[:, -d:] = torch.eye(d)
 
@@ -294,10 +292,10 @@ class EagleHead3(nn.Module):
         s = features.to(dtype)
         if s.shape[-1] != self.hidden_size:
             s = self.fc(self.input_norm(s) if self.norm_before_fc else s)
-        emb = self._borrowed.embed(input_ids).to(dtype)
+        emb = embed_tokens(self._borrowed.embed, input_ids).to(dtype)
         normed = self.layer.input_layernorm(s)
         u = torch.cat([self.emb_norm(emb), normed], dim=-1)
-        position_embeddings = self._borrowed.rotary(s, position_ids)
+        position_embeddings = self.rotary(s, position_ids)
         if attention_mask is not None:
             attention_mask = attention_mask.to(s.dtype)
         attn = self.layer.self_attn(hidden_states=u, position_embeddings=position_embeddings,
