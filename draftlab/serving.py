@@ -206,7 +206,10 @@ def unwrap_lora(model: torch.nn.Module) -> None:
     """Replace every (already merged) peft LoRA layer by its base layer, leaving a plain transformers model."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
+    done: list[str] = []
     for name, module in list(model.named_modules()):
-        if isinstance(module, BaseTunerLayer):
+        # a wrapper inside one already replaced (peft nests a ParamWrapper per MoE expert tensor) went with it
+        if isinstance(module, BaseTunerLayer) and not any(name.startswith(outer + ".") for outer in done):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, module.get_base_layer())
+            done.append(name)

@@ -329,12 +329,13 @@ class EagleHead(nn.Module):
             f"layers.{i}.{n}" for i in range(layers) for n in names + ["input_layernorm.weight"] * (i > 0)}
         if set(weights) != expected:
             odd = sorted(set(weights) ^ expected)[:3]
-            raise HubError(f"this eagle head has weights the official EAGLE code does not know ({odd}): its target "
-                           f"architecture ({text.model_type}) is not a Llama-style one; export with --format draftlab")
+            raise HubError(f"this eagle head has weights the official EAGLE code does not know ({odd}): it was trained "
+                           f"before draftlab built dense Llama draft layers for {text.model_type} targets; retrain it, "
+                           "or export with --format draftlab")
         weights = {k: v.contiguous() for k, v in weights.items()}
         save_file(weights, str(out / "model.safetensors"), {"format": "pt"})
         torch.save(weights, out / "pytorch_model.bin")       # what eagle-llm 1.2.1's EaModel.from_pretrained reads
-        config = {"architectures": src.architectures() or ["LlamaForCausalLM"], **layer_config(text, layers),
+        config = {"architectures": ["LlamaForCausalLM"], **layer_config(text, layers),
                   "bias": True, "qkv_bias": qkv_bias, "torch_dtype": str(dtype).removeprefix("torch.")}
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         return {"fc_bias": bool(src.config.get("fc_bias", True)), "num_layers": layers}

@@ -196,7 +196,7 @@ class GumihoHeads(EagleHead):
         torch.save(renamed, out / "pytorch_model.bin")
         layers = cfg.get("serial_layers", GumihoConfig.serial_layers)
         shape = {k: cfg.get(k, getattr(GumihoConfig, k)) for k in REFERENCE_SHAPE}
-        config = {"architectures": src.architectures() or ["LlamaForCausalLM"], **layer_config(text, layers),
+        config = {"architectures": ["LlamaForCausalLM"], **layer_config(text, layers),
                   "bias": True, "serial_head_num": shape["serial_tokens"],
                   "mlp_num": cfg.get("mlp_heads", GumihoConfig.mlp_heads), "mlp_layers": shape["mlp_layers"],
                   "torch_dtype": str(dtype).removeprefix("torch.")}
