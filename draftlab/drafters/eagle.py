@@ -314,18 +314,20 @@ class EagleHead(nn.Module):
         (loaded by eagle/model/ea_model.py `EaModel.from_pretrained`, which reads config.json and pytorch_model.bin
         in eagle-llm 1.2.1, model.safetensors in the current repository with `use_eagle3=False`: both are written).
         Its names are ours (fc.*, layers.{i}.*, no input_layernorm in layer 0) plus embed_tokens.weight, the target's
-        embedding, which the older strict loaders require. A head trained without an FC bias gets a zero fc.bias (the
-        same function) so loaders that build the bias get one."""
+        embedding, which the older strict loaders require. config.json's `bias` is the head's FC bias: the official
+        code builds its FC from it, and vLLM (llama.py) reads the same key as an attention bias, so a head trained with
+        `fc_bias=false` says false and carries no fc.bias (with `true`, vLLM builds an o_proj bias it never loads
+        and accepts nothing)."""
         text = src.target_config()
         weights = dict(src.weights)
         layers, dtype = src.config.get("num_layers", 1), weights["fc.weight"].dtype
-        weights.setdefault("fc.bias", torch.zeros(text.hidden_size, dtype=dtype))
+        fc_bias = "fc.bias" in weights
         weights["embed_tokens.weight"] = src.target()[0].get_input_embeddings().weight.detach().to("cpu", dtype)
         qkv_bias = "layers.0.self_attn.q_proj.bias" in weights
         linear = [f"self_attn.{n}_proj" for n in "qkvo"] + [f"mlp.{n}_proj" for n in ("gate", "up", "down")]
         names = [f"{n}.weight" for n in linear] + ["post_attention_layernorm.weight"]
         names += [f"self_attn.{n}_proj.bias" for n in "qkv" if qkv_bias]
-        expected = {"fc.weight", "fc.bias", "embed_tokens.weight"} | {
+        expected = {"fc.weight", "embed_tokens.weight", *["fc.bias"] * fc_bias} | {
             f"layers.{i}.{n}" for i in range(layers) for n in names + ["input_layernorm.weight"] * (i > 0)}
         if set(weights) != expected:
             odd = sorted(set(weights) ^ expected)[:3]
@@ -336,9 +338,9 @@ class EagleHead(nn.Module):
         save_file(weights, str(out / "model.safetensors"), {"format": "pt"})
         torch.save(weights, out / "pytorch_model.bin")       # what eagle-llm 1.2.1's EaModel.from_pretrained reads
         config = {"architectures": ["LlamaForCausalLM"], **layer_config(text, layers),
-                  "bias": True, "qkv_bias": qkv_bias, "torch_dtype": str(dtype).removeprefix("torch.")}
+                  "bias": fc_bias, "qkv_bias": qkv_bias, "torch_dtype": str(dtype).removeprefix("torch.")}
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        return {"fc_bias": bool(src.config.get("fc_bias", True)), "num_layers": layers}
+        return {"fc_bias": fc_bias, "num_layers": layers}
 
 
 class EagleProposer:

@@ -283,7 +283,8 @@ class MedusaHeads(nn.Module):
         medusa_num_heads, medusa_num_layers, base_model_name_or_path, and the `medusa_head` ModuleList's state dict
         ({k}.{j}.linear.weight/bias per ResBlock, {k}.{L}.weight for the vocabulary projection) in
         medusa_lm_head.safetensors (read by TGI and TensorRT-LLM) and medusa_lm_head.pt (read by
-        medusa/model/medusa_model*.py)."""
+        medusa/model/medusa_model*.py). vLLM's `medusa` drafter reads hidden_size and vocab_size (4096 / 32001 when
+        missing) and builds the ResBlocks' biases only with medusa_fc_bias: all three are written."""
         heads = {k.removeprefix("heads."): v.contiguous() for k, v in src.weights.items() if k.startswith("heads.")}
         if src.config.get("draft_vocab"):            # the format has no draft vocabulary: full projections, lossless
             heads = full_projections(heads, src.config["draft_vocab"], src.target()[0].get_output_embeddings().weight,
@@ -293,7 +294,9 @@ class MedusaHeads(nn.Module):
         base = cls.export_base(src, out, meta)
         config = json.loads((out / "config.json").read_text()) if (out / "config.json").is_file() else {}
         config.update(medusa_num_heads=src.config["medusa_heads"], medusa_num_layers=src.config["medusa_layers"],
-                      base_model_name_or_path=base, version="2")
+                      base_model_name_or_path=base, version="2", medusa_fc_bias=True)
+        config.setdefault("hidden_size", src.config["hidden_size"])
+        config.setdefault("vocab_size", src.config["vocab_size"])
         (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (out / "medusa_choices.json").write_text(json.dumps(src.config.get("tree_choices")) + "\n")
         return {"heads": src.config["medusa_heads"], "layers": src.config["medusa_layers"],

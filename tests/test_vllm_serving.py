@@ -1,0 +1,202 @@
+"""vLLM serves draftlab's exports exactly.
+
+A tiny random Llama target (4 layers, hidden 128: vLLM's CPU attention needs a head size of at least 32) and one
+drafter of each kind vLLM serves, fitted for a few steps to the target's own greedy answers (so that it accepts
+something), are exported with `draftlab push` and served by vLLM's OpenAI server (`draftlab engine build --vllm`'s CPU
+vLLM, or the user's own on a GPU machine) with the kind's `--speculative-config`. On the same prompts (draftlab's
+token ids, chat template included), greedy, the same draft length: every served answer equals `draftlab eval`'s
+(which equals target-only decoding: its lossless check), and vLLM's /metrics counters equal draftlab's round log,
+prompt by prompt: drafts == rounds, accepted tokens == accepted tokens, so the served mean acceptance length
+1 + accepted / drafts is draftlab's acceptance_length.
+
+One server per kind (one at a time: each holds about 4.5 GiB), about 40 s each to start on a 2-core machine; the
+drafters, exports and `draftlab eval` reports are built once for the module. Skipped where vLLM is not set up.
+"""
+from __future__ import annotations
+
+import json
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import CORPUS, chat_prompt
+from draftlab import vllm_tools as vt
+from test_llama_cpp_serving import PROMPTS, fit_to_answers, save_run
+
+K = 3                   # draft length
+NEW_TOKENS = 32         # greedy tokens per prompt
+KINDS = ("eagle3", "dflash", "small_lm", "eagle", "medusa")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    found = vt.find_engine()
+    if found is None:
+        pytest.skip(f"vLLM is not set up here (looked in {vt.cache_dir()}): run `draftlab engine build --vllm`")
+    return found
+
+
+def vllm_target(tok):
+    """A tiny random Llama that vLLM's CPU backend runs (head size 32) and whose greedy answers are not loops of one
+    token: larger random weights (std 0.2) than conftest's target; its two best logits stay at least 0.06 apart on
+    the test's answers, far from where two engines' float sums could pick differently."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      tie_word_embeddings=False, initializer_range=0.2)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return model.requires_grad_(False)
+
+
+def fitted(kind: str, model, tok, answers):
+    """A drafter of `kind` that agrees with the tiny target often, not always."""
+    from draftlab.drafters.dflash import DFlashDrafter
+    from draftlab.drafters.eagle import EagleHead
+    from draftlab.drafters.eagle3 import EagleHead3
+    from draftlab.drafters.medusa import MedusaHeads
+    from draftlab.drafters.small_lm import SmallLM
+
+    torch.manual_seed(0)
+    if kind == "small_lm":   # all the target's layers, perturbed
+        small = SmallLM.from_target(model, SimpleNamespace(target_layers=[0, 1, 2, 3]), tok)
+        noise = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in small.model.model.layers.parameters():
+                p.add_(0.003 * torch.randn(p.shape, generator=noise))
+        return small
+    build = {"eagle3": lambda: EagleHead3.from_target(model, SimpleNamespace(norm_output=False, ttt_steps=3)),
+             "eagle": lambda: EagleHead.from_target(model, SimpleNamespace(fc_bias=False)),
+             "medusa": lambda: MedusaHeads.from_target(model, SimpleNamespace(medusa_heads=K)),
+             "dflash": lambda: DFlashDrafter.from_target(model, SimpleNamespace(num_layers=2, block_size=K + 1,
+                                                                              target_layers=[1, 2], num_anchors=64))}[kind]
+    return fit_to_answers(build(), model, answers, steps=80)
+
+
+@pytest.fixture(scope="module")
+def world(engine, tiny_tokenizer, tmp_path_factory):
+    """The target, the exports and draftlab's side: {"target_dir", "exports", "reports", "rounds", "prompt_ids",
+    "answers" (draftlab's, per prompt), "root"}."""
+    from draftlab.cli import main
+    from draftlab.hub import export_checkpoint
+    from draftlab.rounds import read_rounds
+
+    root = tmp_path_factory.mktemp("vllm")
+    tok = tiny_tokenizer
+    model = vllm_target(tok)
+    target_dir = root / "target"
+    model.save_pretrained(target_dir)
+    tok.save_pretrained(target_dir)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
+                               for i, p in enumerate(PROMPTS)))
+    out = {"root": root, "target_dir": target_dir, "exports": {}, "reports": {}, "rounds": {}}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)      # tiny matrices on a shared 2-core machine
+    try:
+        answers = []
+        for text in [*PROMPTS, *CORPUS[:6]]:
+            ids = chat_prompt(tok, text)
+            answers.append(model.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                          max_new_tokens=48, do_sample=False, eos_token_id=None,
+                                          pad_token_id=tok.pad_token_id)[0])
+        for kind in KINDS:
+            run = save_run(root / f"run_{kind}", fitted(kind, model, tok, answers), target_dir)
+            export = export_checkpoint(run, root / f"export_{kind}", target=model, tokenizer=tok)
+            report, log = root / f"{kind}.json", root / f"{kind}.rounds.jsonl"
+            assert main(["eval", "--checkpoint", str(export), "--target", str(target_dir), "--prompts", str(prompts),
+                         "--out", str(report), "--draft-length", str(K), "--max-new-tokens", str(NEW_TOKENS),
+                         "--log-rounds", str(log)]) == 0
+            out["exports"][kind] = export
+            out["reports"][kind] = json.loads(report.read_text())
+            out["rounds"][kind] = read_rounds(log)
+    finally:
+        torch.set_num_threads(threads)
+    rows = out["rounds"]["eagle3"]
+    out["prompt_ids"], out["answers"] = [], []
+    for i in range(len(PROMPTS)):
+        first = next(r for r in rows if r.prompt == i and r.round == 0)
+        out["prompt_ids"].append([int(t) for t in first.prompt_ids])
+        out["answers"].append(draftlab_answer(rows, i, tok.eos_token_id))
+    return out
+
+
+def draftlab_answer(rows, prompt: int, eos: int) -> list[int]:
+    """The answer draftlab emitted for a prompt (its round log: the prefill's token, then each round's new tokens),
+    cut at NEW_TOKENS and after EOS."""
+    first = next(r for r in rows if r.prompt == prompt and r.round == 0)
+    seq = ([int(first.root)] + [int(t) for r in rows if r.prompt == prompt for t in r.new_tokens])[:NEW_TOKENS]
+    return seq[:seq.index(eos) + 1] if eos in seq else seq
+
+
+def served_answer(ids: list[int], eos: int) -> list[int]:
+    return ids[:ids.index(eos) + 1] if eos in ids else ids
+
+
+@pytest.fixture(scope="module")
+def served(world, engine, tiny_tokenizer):
+    """Every kind served once, one server at a time: {kind: {"answers", "counts" [SpecCounters per prompt],
+    "start_s"} or {"error": one line}}."""
+    eos = tiny_tokenizer.eos_token_id
+    result = {}
+    for kind in ("target", *KINDS):
+        export = None if kind == "target" else world["exports"][kind]
+        start = time.monotonic()
+        try:
+            with vt.VllmServer(world["target_dir"], export=export, draft_length=K, max_model_len=512, kv_cache_gib=1,
+                               engine=engine, log_path=world["root"] / f"vllm_{kind}.log") as server:
+                ready = time.monotonic() - start
+                answers, counts = [], []
+                for ids in world["prompt_ids"]:
+                    before = server.counters()
+                    out, _ = server.complete(ids, NEW_TOKENS)
+                    answers.append(served_answer(out, eos))
+                    counts.append(server.settled_counters() - before)
+        except vt.VllmError as e:
+            result[kind] = {"error": str(e)}
+            continue
+        result[kind] = {"answers": answers, "counts": counts, "start_s": ready,
+                        "total_s": time.monotonic() - start}
+    print("\nvLLM served (k=%d, %d prompts, %d tokens):" % (K, len(PROMPTS), NEW_TOKENS))
+    for kind, got in result.items():
+        if "error" in got:
+            print(f"  {kind}: {got['error']}")
+            continue
+        drafts = sum(c.drafts for c in got["counts"])
+        accepted = sum(c.accepted for c in got["counts"])
+        rows = world["rounds"].get(kind, [])
+        print(f"  {kind}: served tau {1 + accepted / drafts if drafts else float('nan'):.4f} ({drafts:.0f} drafts, "
+              f"{accepted:.0f} accepted); draftlab {world['reports'].get(kind, {}).get('acceptance_length', 'n/a')} "
+              f"({len(rows)} rounds, {sum(len(r.accepted) for r in rows)} accepted); ready in {got['start_s']:.0f} s, "
+              f"{got['total_s']:.0f} s in all; identical: {got['answers'] == world['answers']}")
+    return result
+
+
+def test_target_only_served_answers_equal_draftlab(served, world):
+    got = served["target"]
+    assert "error" not in got, got.get("error")
+    assert got["answers"] == world["answers"]
+    assert all(c.drafts == 0 for c in got["counts"])
+    assert all(r["lossless"] for r in world["reports"].values())    # draftlab's answers are target-only's
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_served_answers_and_acceptance_equal_draftlab_eval(served, world, kind):
+    got = served[kind]
+    assert "error" not in got, got.get("error")
+    assert got["answers"] == world["answers"], f"{kind}: a served answer differs from draftlab's"
+    rows = world["rounds"][kind]
+    for i, counts in enumerate(got["counts"]):
+        mine = [r for r in rows if r.prompt == i]
+        assert (counts.drafts, counts.accepted) == (len(mine), sum(len(r.accepted) for r in mine)), \
+            f"{kind}, prompt {i}: vLLM {counts}, draftlab {len(mine)} rounds"
+    drafts = sum(c.drafts for c in got["counts"])
+    accepted = sum(c.accepted for c in got["counts"])
+    assert accepted > 0, f"{kind}: nothing accepted, nothing compared"
+    assert 1 + accepted / drafts == pytest.approx(world["reports"][kind]["acceptance_length"], abs=1e-9)
