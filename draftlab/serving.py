@@ -31,16 +31,26 @@ LAYER_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_si
 # dense draft layers: what every feature-level kind (EAGLE, EAGLE-3, Gumiho, DFlash) stacks, whatever the target
 
 
+# Rope scalings that every loader of EAGLE-style draft layers builds (the official EAGLE code: none, linear and dynamic;
+# vLLM, SGLang and llama.cpp also llama3). A draft layer of a target with another one (YaRN: gpt-oss, longrope: Phi-3
+# long) uses plain rope at the target's theta: the draft layer's rope need only be the same in training and serving.
+SERVED_ROPE = ("default", "linear", "dynamic", "llama3")
+
+
 def full_attention_rope(text) -> dict:
     """The target's rope parameters of its full-attention layers, as one flat dict a Llama layer takes: a per
     layer-type dict (Gemma 3: local and global theta) gives its `full_attention` entry; a partial rotary factor (the
-    target's own head layout) is dropped, since the draft layer rotates its whole head."""
+    target's own head layout) is dropped, since the draft layer rotates its whole head; a scaling outside
+    SERVED_ROPE becomes plain rope at the target's theta."""
     rope = dict(getattr(text, "rope_parameters", None) or {})
     if rope and all(isinstance(v, dict) for v in rope.values()):
         rope = dict(rope.get("full_attention") or next(iter(rope.values())))
     rope.pop("partial_rotary_factor", None)
-    rope.setdefault("rope_theta", getattr(text, "rope_theta", None) or 10000.0)
+    theta = rope.get("rope_theta", getattr(text, "rope_theta", None) or 10000.0)
+    if rope.get("rope_type", "default") not in SERVED_ROPE:
+        return {"rope_type": "default", "rope_theta": theta}
     rope.setdefault("rope_type", "default")
+    rope["rope_theta"] = theta
     return rope
 
 

@@ -373,6 +373,11 @@ def read_medusa2(cell: Cell, export: Path, tmp_path: Path) -> None:
     with torch.no_grad():
         close(merged(ids).logits, adapted(ids).logits)
     if (export / "medusa_lm_head.pt").is_file():
+        rope = (merged.config.get_text_config().rope_parameters or {}).get("rope_type", "default")
+        if rope not in ("default", "linear", "dynamic"):
+            # medusa-llm 0.1 serves Llama and Mistral bases only; its MedusaConfig cannot even read a config.json
+            # with another rope scaling under transformers 5 (gpt-oss: yarn). The merged target was checked above.
+            pytest.skip(f"medusa-llm 0.1 cannot read a {rope}-rope base config ({merged.config.model_type})")
         head_logits_agree(drafter, medusa_heads_in_medusa_code(export, merged), adapted, tok)
 
 

@@ -397,7 +397,7 @@ class EagleHead3(nn.Module):
         if "lm_head.weight" not in weights:   # a frozen draft LM head is not saved: the target's rows it kept
             rows = target.get_output_embeddings().weight.detach()
             rows = rows[torch.tensor(sorted(draft_vocab), device=rows.device)] if draft_vocab else rows
-            weights["lm_head.weight"] = rows.to("cpu", dtype).contiguous()
+            weights["lm_head.weight"] = rows.to("cpu", dtype).clone()   # its own storage: a tied target's rows are the embedding
         if draft_vocab:
             ids = torch.tensor(sorted(draft_vocab), dtype=torch.long)
             weights["d2t"] = ids - torch.arange(len(ids))
