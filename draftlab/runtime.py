@@ -299,9 +299,11 @@ def release_target_layers(target) -> int:
     LM head, which drafters borrow, stay."""
     import gc
 
-    decoder = target.get_decoder()
-    freed = sum(p.numel() * p.element_size() for p in decoder.layers.parameters())
-    decoder.layers = torch.nn.ModuleList()
+    from draftlab.serving import decoder_layers
+
+    decoder, name = decoder_layers(target)
+    freed = sum(p.numel() * p.element_size() for p in getattr(decoder, name).parameters())
+    setattr(decoder, name, torch.nn.ModuleList())
     gc.collect()
     return freed
 

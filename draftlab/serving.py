@@ -73,7 +73,8 @@ def dense_config(text, num_layers: int):
     from transformers import LlamaConfig
 
     heads = text.num_attention_heads
-    eps = next((v for v in (getattr(text, k, None) for k in ("rms_norm_eps", "layer_norm_eps", "norm_eps"))
+    eps = next((v for v in (getattr(text, k, None) for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon",
+                                                               "norm_eps", "norm_epsilon"))
                 if isinstance(v, float)), 1e-6)
     config = LlamaConfig(
         vocab_size=text.vocab_size, hidden_size=text.hidden_size, intermediate_size=dense_width(text),
@@ -87,6 +88,32 @@ def dense_config(text, num_layers: int):
         pad_token_id=getattr(text, "pad_token_id", None), tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
     return config
+
+
+# Where transformers' decoders keep their layers and final norm (Llama-style `model.layers` / `model.norm`; GPT-2,
+# Falcon, Bloom `transformer.h` / `ln_f`; GPT-NeoX `final_layer_norm`; Phi `final_layernorm`; Mamba-style `norm_f`).
+LAYER_LISTS = ("layers", "h", "blocks")
+FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f")
+
+
+def decoder_layers(model) -> tuple[torch.nn.Module, str]:
+    """(the decoder, the attribute name of its list of decoder layers): one of LAYER_LISTS, else its only child
+    ModuleList of `num_hidden_layers` modules."""
+    decoder = model.get_decoder()
+    count = model.config.get_text_config(decoder=True).num_hidden_layers
+    named = [(name, getattr(decoder, name, None)) for name in LAYER_LISTS]
+    named += list(decoder.named_children())
+    for name, module in named:
+        if isinstance(module, torch.nn.ModuleList) and len(module) == count:
+            return decoder, name
+    raise ValueError(f"{type(model).__name__}: no list of its {count} decoder layers found in {type(decoder).__name__}")
+
+
+def final_norm(model) -> torch.nn.Module:
+    """The decoder's final norm (one of FINAL_NORMS), or an Identity for a decoder without one."""
+    decoder = model.get_decoder()
+    return next((m for m in (getattr(decoder, n, None) for n in FINAL_NORMS) if isinstance(m, torch.nn.Module)),
+                torch.nn.Identity())
 
 
 def copy_matching(mine: torch.nn.Module, theirs: torch.nn.Module, widen: int = 0) -> tuple[list[str], list[str]]:

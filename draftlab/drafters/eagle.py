@@ -35,7 +35,7 @@ from draftlab import drafting, packing, vocab
 from draftlab.drafters.options import (DrafterConfig, DraftVocabOption, EagleHeadOptions, check_target_size,
                                        setting_names, settings)
 from draftlab.errors import HubError
-from draftlab.serving import copy_matching, dense_config, embed_tokens, layer_config, report_init
+from draftlab.serving import copy_matching, decoder_layers, dense_config, embed_tokens, layer_config, report_init
 from draftlab.trees import additive
 
 
@@ -137,7 +137,6 @@ class EagleHead(nn.Module):
                  harmonized_steps: int = EagleConfig.harmonized_steps, topk_weight: float = EagleConfig.topk_weight,
                  draft_vocab: list[int] | None = None):
         super().__init__()
-        decoder = target.get_decoder()
         # a dense Llama-style stack sized from the target, whatever the target's own layers are (serving.dense_config)
         config = dense_config(target.config.get_text_config(decoder=True), num_layers)
         self.num_layers, self.feature_noise = num_layers, feature_noise
@@ -164,16 +163,17 @@ class EagleHead(nn.Module):
         self.rotary = LlamaRotaryEmbedding(config)      # the target's full-attention rope (no saved weights)
         self.draft_head = vocab.DraftHead(lm_head, self.vocab_size)
         if init_from_target:
-            self._copy_target_layers(decoder)
+            self._copy_target_layers(target)
         self.to(device=embed.weight.device)
         if draft_vocab is not None:
             self.draft_head.set_vocab(draft_vocab)
 
-    def _copy_target_layers(self, decoder) -> None:
+    def _copy_target_layers(self, target) -> None:
         """Data-efficient start: the head's decoder layers begin as the target's last ones (which already map a
         late hidden state to the next one); the fusion FC starts as [0 | I], passing f_t through unchanged."""
         skipped = set()
-        for mine, theirs in zip(self.layers, decoder.layers[-len(self.layers):]):
+        stack, name = decoder_layers(target)
+        for mine, theirs in zip(self.layers, getattr(stack, name)[-len(self.layers):]):
             skipped.update(copy_matching(mine, theirs)[1])
         report_init(self.kind, skipped)
         with torch.no_grad():

@@ -56,7 +56,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 from draftlab import packing, vocab
 from draftlab.drafters.eagle import EagleProposer, own_feature_steps, ttt_mask, with_feature_noise
 from draftlab.drafters.options import DrafterConfig, DraftVocabOption, check_target_size, settings
-from draftlab.serving import copy_matching, dense_config, embed_tokens, layer_config, report_init
+from draftlab.serving import (copy_matching, decoder_layers, dense_config, embed_tokens, final_norm, layer_config,
+                              report_init)
 from draftlab.vocab import AUTO_DRAFT_VOCAB, expand_logits, vocab_maps
 
 
@@ -134,7 +135,6 @@ class EagleHead3(nn.Module):
                  loss_position: str = Eagle3Config.loss_position, loss_tokens: str = Eagle3Config.loss_tokens,
                  feature_noise: float = Eagle3Config.feature_noise):
         super().__init__()
-        decoder = target.get_decoder()
         text = target.config.get_text_config(decoder=True)
         num_target_layers = text.num_hidden_layers
         # one dense Llama-style layer sized from the target, whatever its own layers are: what the engines build for
@@ -185,7 +185,8 @@ class EagleHead3(nn.Module):
         self._borrowed = SimpleNamespace(embed=embed, lm_head=target_head)
         self.rotary = LlamaRotaryEmbedding(config)      # the target's full-attention rope (no saved weights)
         if init_from_target:
-            self._copy_target_layer(decoder.layers[-1], getattr(decoder, "norm", nn.Identity()))
+            stack, name = decoder_layers(target)
+            self._copy_target_layer(getattr(stack, name)[-1], final_norm(target))
         self.to(device=embed.weight.device)
         self.register_buffer("draft_vocab", torch.arange(self.lm_head.out_features, device=embed.weight.device),
                              persistent=False)

@@ -45,7 +45,7 @@ from draftlab import packing, vocab
 from draftlab.drafters.options import DrafterConfig, DraftVocabOption, LoraOptions, settings
 from draftlab.errors import ConfigError
 from draftlab.proposers import CausalLMProposer
-from draftlab.serving import add_legacy_keys
+from draftlab.serving import add_legacy_keys, decoder_layers, final_norm
 
 MODES = ("offline_blackbox", "offline_whitebox", "online_whitebox", "online_blackbox")
 
@@ -197,13 +197,14 @@ def layer_subset(target, s: dict):
     if getattr(source, "layer_types", None) is not None:
         config.layer_types = [source.layer_types[i] for i in chosen]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    theirs, mine = target.get_decoder(), model.get_decoder()
+    (theirs, name), (mine, _) = decoder_layers(target), decoder_layers(model)
+    theirs_norm, mine_norm = final_norm(target), final_norm(model)
     with torch.no_grad():
         for j, i in enumerate(chosen):
-            mine.layers[j].load_state_dict({k: v.float() for k, v in theirs.layers[i].state_dict().items()})
-        mine.norm.load_state_dict({k: v.float() for k, v in theirs.norm.state_dict().items()})
+            getattr(mine, name)[j].load_state_dict({k: v.float() for k, v in getattr(theirs, name)[i].state_dict().items()})
+        mine_norm.load_state_dict({k: v.float() for k, v in theirs_norm.state_dict().items()})
     SmallLM._copy_embeddings(model, target, not s["train_shared_embeddings"])
-    for p in [*mine.layers.parameters(), *mine.norm.parameters()]:
+    for p in [*getattr(mine, name).parameters(), *mine_norm.parameters()]:
         p.requires_grad_(True)
     return model
 
