@@ -190,10 +190,15 @@ def build(version: str = VERSION, jobs: int = 2, log=print, variant: str = "stoc
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m draftlab.llama_cpp_tools [build|where] [--exact]` (the same as `draftlab engine ...`)."""
+    """`python -m draftlab.llama_cpp_tools [build|where] [--exact]` (the same as `draftlab engine ...`); with --vllm,
+    vllm_tools.main (build, where, serve)."""
     from draftlab.errors import run_guarded
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--vllm" in argv:           # the same `engine` command sets up and starts vLLM (vllm_tools.py)
+        from draftlab.vllm_tools import main as vllm_main
+
+        return vllm_main(argv)
     variant = "exact" if "--exact" in argv else "stock"
     words = [a for a in argv if a != "--exact"]
     what = words[0] if words else "build"
@@ -207,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             print(tools["llama-server"].parent if tools else f"not built (would be in {cache_dir(variant=variant)})")
         else:
             raise EngineError(f"unknown engine command '{what}': use build or where (--exact: the batch-invariant "
-                              "build)")
+                              "build; --vllm: vLLM's build, where or serve)")
     return run_guarded(run)
 
 

@@ -149,7 +149,11 @@ def _run_logged(cmd: list[str], log_path: Path, what: str, env: dict | None = No
     with open(log_path, "a") as out:
         out.write("$ " + " ".join(cmd) + "\n")
         out.flush()
-        if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env).returncode != 0:
+        try:
+            code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env).returncode
+        except OSError as e:
+            raise VllmError(f"setting up vLLM failed at {what}: cannot run {cmd[0]} ({e.strerror or e})") from None
+        if code != 0:
             last = _last_line(log_path)
             raise VllmError(f"setting up vLLM failed at {what} ({last[:200]}): see {log_path}")
 
@@ -177,6 +181,7 @@ def setup(version: str = VERSION, log=print) -> Engine:
     if found:
         return found
     root = cache_dir(version)
+    root.mkdir(parents=True, exist_ok=True)        # kept when the lock is released, so a waiting set-up finds it
     lock = FolderLock(root / ".setup.lock", f"the vLLM {version} set-up in {root}",
                       "wait for it to finish, or stop it")
     try:
@@ -250,6 +255,18 @@ def speculative_config(kind: str, export: str | Path, draft_length: int) -> dict
     return {"method": METHODS[kind], "model": str(Path(export).resolve()), "num_speculative_tokens": int(draft_length)}
 
 
+def _end_with_parent() -> None:
+    """In the server's process (before exec): SIGTERM when the process that started it dies, however it dies (Linux
+    prctl PR_SET_PDEATHSIG), so a killed test or command leaves no server behind; vLLM's server ends its engine
+    processes on SIGTERM. Elsewhere nothing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -303,12 +320,14 @@ class VllmServer:
             counted = server.counters() - before
 
     threads: OpenMP threads of the CPU engine; kv_cache_gib: its KV cache; dtype: float32 on CPU (bf16 kernels
-    need AVX-512), vLLM's "auto" on a GPU; extra: more server arguments."""
+    need AVX-512), vLLM's "auto" on a GPU; stop_grace: seconds between SIGTERM and SIGKILL; extra: more server
+    arguments."""
 
     def __init__(self, target: str | Path, *, export: str | Path | None = None, draft_length: int = 3,
                  kind: str | None = None, engine: Engine | None = None, log_path: str | Path | None = None,
-                 port: int | None = None, dtype: str | None = None, max_model_len: int = 2048, threads: int = 1,
-                 kv_cache_gib: int = 2, ready_timeout: float = 600.0, extra: tuple[str, ...] = ()):
+                 port: int | None = None, dtype: str | None = None, max_model_len: int | None = None, threads: int = 1,
+                 kv_cache_gib: int = 2, ready_timeout: float = 600.0, stop_grace: float = 30.0,
+                 extra: tuple[str, ...] = ()):
         self.engine = engine or find_engine()
         if self.engine is None:
             raise VllmError(f"vLLM is not set up here (looked in {cache_dir()}): run `draftlab engine build --vllm` "
@@ -321,7 +340,7 @@ class VllmServer:
         self.port = port or free_port()
         self.dtype = dtype or ("float32" if self.engine.cpu else "auto")
         self.max_model_len, self.threads, self.kv_cache_gib = max_model_len, threads, kv_cache_gib
-        self.ready_timeout, self.extra = ready_timeout, tuple(extra)
+        self.ready_timeout, self.stop_grace, self.extra = ready_timeout, stop_grace, tuple(extra)
         self.proc: subprocess.Popen | None = None
         self.served_name = "target"
 
@@ -334,7 +353,9 @@ class VllmServer:
         sampling of requests that leave a setting out)."""
         cmd = [str(self.engine.python), "-m", SERVER_MODULE, "--model", self.target, "--served-model-name",
                self.served_name, "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype,
-               "--max-model-len", str(self.max_model_len), "--generation-config", "vllm", "--seed", "0"]
+               "--generation-config", "vllm", "--seed", "0"]
+        if self.max_model_len:
+            cmd += ["--max-model-len", str(self.max_model_len)]
         if self.engine.cpu:
             cmd.append("--enforce-eager")
         if self.spec is not None:
@@ -349,7 +370,8 @@ class VllmServer:
         try:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=self.engine.environment(self.threads, self.kv_cache_gib),
-                                         start_new_session=True)   # its own process group: stop() ends every child
+                                         start_new_session=True,   # its own process group: stop() ends every child
+                                         preexec_fn=_end_with_parent)
         finally:
             log.close()
         return self
@@ -381,15 +403,21 @@ class VllmServer:
             lines = [ln.strip() for ln in self.log_path.read_text(errors="replace").splitlines() if ln.strip()]
         except OSError:
             return "no log"
-        errors = [ln for ln in lines if re.search(r"(Error|Exception|error:)", ln) and not ln.startswith("Traceback")]
-        return (errors or lines or ["no output"])[-1]
+        errors = [i for i, ln in enumerate(lines) if re.search(r"(Error|Exception|error:)", ln)
+                  and not ln.startswith("Traceback")]
+        if not errors:
+            return lines[-1] if lines else "no output"
+        line = lines[errors[-1]]
+        if "validation error" in line and errors[-1] + 1 < len(lines):   # pydantic: the reason is on the next line
+            line += ": " + lines[errors[-1] + 1]
+        return line
 
-    def stop(self, grace: float = 30.0) -> None:
-        """SIGTERM to the server's process group, SIGKILL after `grace` seconds."""
+    def stop(self) -> None:
+        """SIGTERM to the server's process group, SIGKILL after stop_grace seconds."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        for sig, wait in ((signal.SIGTERM, self.stop_grace), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
@@ -453,3 +481,81 @@ class VllmServer:
                 return now
             last = now
         return last
+
+
+# ----------------------------------------------------------------------------------------------------------
+# `draftlab engine ... --vllm`
+
+
+def serve_parser():
+    from draftlab.errors import OneLineParser
+
+    p = OneLineParser(prog="draftlab engine serve --vllm",
+                      description="Start vLLM's OpenAI server on a target, speculating with a draftlab export.")
+    p.add_argument("--target", required=True, help="the target: a transformers folder or Hub id")
+    p.add_argument("--export", help="a `draftlab push --to DIR` export (default: no drafter, target-only)")
+    p.add_argument("--draft-length", type=int, default=None,
+                   help="tokens drafted per step (default: the export's evaluated draft length, else 3)")
+    p.add_argument("--port", type=int, default=None, help="default: a free port")
+    p.add_argument("--threads", type=int, default=1, help="CPU engine: OpenMP threads (default 1)")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the target's")
+    p.add_argument("--log", default="vllm-server.log", help="the server's log file (default vllm-server.log)")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server (default 600)")
+    return p
+
+
+def serve(argv: list[str], log=print) -> None:
+    """Start the server, say where it answers, keep it until Ctrl-C or SIGTERM (then stop it)."""
+    args = serve_parser().parse_args(argv)
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):     # also when started in the background, where SIGINT is ignored
+        signal.signal(sig, interrupted)
+    k = args.draft_length
+    if args.export and k is None:
+        meta = json.loads((Path(args.export) / "export.json").read_text()) if (
+            Path(args.export) / "export.json").is_file() else {}
+        k = int(meta.get("draft_length") or 3)
+    server = VllmServer(args.target, export=args.export, draft_length=k or 3, port=args.port, threads=args.threads,
+                        max_model_len=args.max_model_len, log_path=args.log, ready_timeout=args.ready_timeout)
+    log(f"starting vLLM {server.engine.version} ({server.engine.source}) on port {server.port}"
+        + (f" with {json.dumps(server.spec)}" if server.spec else " (target only)") + f"; log: {server.log_path}")
+    with server:
+        log(f"ready: {server.url}/v1 (OpenAI API, model name '{server.served_name}'); acceptance on "
+            f"{server.url}/metrics (1 + vllm:spec_decode_num_accepted_tokens / vllm:spec_decode_num_drafts); "
+            "Ctrl-C stops it")
+        while server.proc is not None and server.proc.poll() is None:
+            time.sleep(1.0)
+        if server.proc is not None:
+            raise VllmError(f"the vLLM server exited with code {server.proc.returncode} "
+                            f"({server.failure_line()[:300]}): see {server.log_path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`draftlab engine build|where|serve --vllm` (also `python -m draftlab.vllm_tools build|where|serve`)."""
+    from draftlab.errors import run_guarded
+
+    argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--vllm"]
+    what, rest = (argv[0], argv[1:]) if argv else ("build", [])
+
+    def run():
+        if "--exact" in rest:
+            raise VllmError("--exact is a llama.cpp build option: `draftlab engine build --vllm` sets up vLLM")
+        if what == "build":
+            engine = setup()
+            print(f"vLLM {engine.version} ready ({'your own, with CUDA' if engine.source == 'user' else 'CPU build'}):"
+                  f" {engine.python}")
+        elif what == "where":
+            engine = find_engine()
+            print(engine.python if engine else f"not set up (would be in {cache_dir() / 'venv'})")
+        elif what == "serve":
+            serve(rest)
+        else:
+            raise VllmError(f"unknown engine command '{what}' for vLLM: use build, where or serve")
+    return run_guarded(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

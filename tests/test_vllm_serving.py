@@ -200,3 +200,122 @@ def test_served_answers_and_acceptance_equal_draftlab_eval(served, world, kind):
     accepted = sum(c.accepted for c in got["counts"])
     assert accepted > 0, f"{kind}: nothing accepted, nothing compared"
     assert 1 + accepted / drafts == pytest.approx(world["reports"][kind]["acceptance_length"], abs=1e-9)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the set-up and the server's life, without vLLM
+
+
+def test_speculative_config_per_kind_and_what_vllm_does_not_serve(tmp_path):
+    methods = {kind: vt.speculative_config(kind, tmp_path, 4)["method"] for kind in vt.METHODS}
+    assert methods == {"eagle3": "eagle3", "dflash": "dflash", "small_lm": "draft_model", "eagle": "eagle",
+                       "medusa": "medusa"}
+    assert vt.speculative_config("eagle3", tmp_path, 4) == {"method": "eagle3", "model": str(tmp_path.resolve()),
+                                                            "num_speculative_tokens": 4}
+    from draftlab.drafters import DRAFTERS
+
+    assert set(vt.METHODS) | set(vt.NOT_SERVED) == set(DRAFTERS)          # every kind is one or the other
+    for kind in vt.NOT_SERVED:
+        with pytest.raises(vt.VllmError, match=f"does not serve a '{kind}' drafter"):
+            vt.speculative_config(kind, tmp_path, 3)
+    with pytest.raises(vt.VllmError, match="not a draftlab export"):
+        vt.export_kind(tmp_path)
+
+
+def test_metrics_counters_and_the_acceptance_length():
+    page = "\n".join([
+        "# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.",
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="target"} 75.0',
+        'vllm:spec_decode_num_drafts_created{engine="0",model_name="target"} 1.79e+09',
+        'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="target"} 225.0',
+        'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="target"} 51.0',
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="target",position="0"} 30.0'])
+    got = vt.parse_metrics(page)
+    assert got == vt.SpecCounters(drafts=75, draft_tokens=225, accepted=51)
+    assert got.acceptance_length == pytest.approx(1 + 51 / 75)
+    assert (got - vt.SpecCounters(drafts=5, draft_tokens=15, accepted=1)).acceptance_length == pytest.approx(1 + 50 / 70)
+
+
+def test_engine_commands_say_one_line(tmp_path, monkeypatch, capsys):
+    from draftlab.cli import main
+
+    monkeypatch.setenv("DRAFTLAB_VLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(vt, "user_vllm", lambda: None)
+    assert main(["engine", "where", "--vllm"]) == 0
+    assert capsys.readouterr().out.strip() == f"not set up (would be in {tmp_path / 'cache' / vt.VERSION / 'venv'})"
+    for argv, says in ((["engine", "frob", "--vllm"], "unknown engine command 'frob'"),
+                       (["engine", "build", "--vllm", "--exact"], "--exact is a llama.cpp build option"),
+                       (["engine", "serve", "--vllm", "--target", str(tmp_path)], "vLLM is not set up here")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+
+
+def test_a_setup_that_cannot_run_is_one_line_and_leaves_nothing_marked(tmp_path, monkeypatch, capsys):
+    from draftlab.cli import main
+
+    monkeypatch.setenv("DRAFTLAB_VLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(vt, "user_vllm", lambda: None)
+    monkeypatch.setattr(vt.sys, "executable", str(tmp_path / "no-python"))
+    assert main(["engine", "build", "--vllm"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "setting up vLLM failed at creating the venv" in err[0], err
+    assert not (tmp_path / vt.VERSION / "complete.json").exists() and vt.find_engine() is None
+
+
+def test_a_second_setup_says_it_waits_then_finds_the_first_ones(tmp_path, monkeypatch):
+    import threading
+
+    from draftlab.runlock import FolderLock
+
+    monkeypatch.setenv("DRAFTLAB_VLLM_CACHE", str(tmp_path))
+    done = vt.Engine(python=tmp_path / "python", source="venv", version=vt.VERSION)
+    state = {"finished": False}
+    monkeypatch.setattr(vt, "find_engine", lambda version=vt.VERSION: done if state["finished"] else None)
+    vt.cache_dir().mkdir(parents=True)                  # as setup() makes it before it locks
+    first = FolderLock(vt.cache_dir() / ".setup.lock", "the first set-up", "wait").acquire()
+    said, result = [], {}
+    second = threading.Thread(target=lambda: result.update(engine=vt.setup(log=said.append)))
+    second.start()
+    for _ in range(100):
+        if said:
+            break
+        time.sleep(0.05)
+    state["finished"] = True
+    first.release()
+    second.join(timeout=30)
+    assert result["engine"] is done
+    assert len(said) == 1 and said[0].startswith("waiting: ") and f"pid {__import__('os').getpid()}" in said[0]
+
+
+def fake_engine(tmp_path, body: str) -> vt.Engine:
+    """An Engine whose "python" is a shell script (its arguments ignored)."""
+    script = tmp_path / "fake-python"
+    script.write_text("#!/bin/sh\n" + body + "\n")
+    script.chmod(0o755)
+    return vt.Engine(python=script, source="venv", version="fake")
+
+
+def test_a_server_that_exits_early_is_one_line_with_its_log(tmp_path):
+    engine = fake_engine(tmp_path, "echo 'ValueError: this target has no config.json'; exit 3")
+    server = vt.VllmServer(tmp_path, engine=engine, log_path=tmp_path / "server.log", ready_timeout=30)
+    with pytest.raises(vt.VllmError, match=r"exited with code 3 before it was ready \(ValueError: this target"):
+        with server:
+            pass
+    assert server.proc is None and "ValueError" in (tmp_path / "server.log").read_text()
+
+
+def test_a_server_that_never_answers_is_stopped_with_its_children(tmp_path):
+    import os
+
+    pids = tmp_path / "pids"
+    engine = fake_engine(tmp_path, f"sleep 300 & echo $! > {pids}; trap '' TERM; sleep 300")  # ignores SIGTERM
+    server = vt.VllmServer(tmp_path, engine=engine, log_path=tmp_path / "server.log", ready_timeout=2, stop_grace=1)
+    start = time.monotonic()
+    with pytest.raises(vt.VllmError, match="not ready after 2 s"):
+        with server:
+            pass
+    child = int(pids.read_text())
+    assert time.monotonic() - start < 30
+    with pytest.raises(ProcessLookupError):     # SIGKILL after the grace period reached the whole group
+        os.kill(child, 0)
