@@ -150,6 +150,19 @@ def python_block(code: str) -> str:
     return f"```python\n{code}\n```"
 
 
+VLLM_CHECKED = ("draftlab's CI serves this format in vLLM 0.32 (tests/test_vllm_serving.py): greedy answers and "
+                "acceptance counts (`/metrics`: drafts, accepted tokens) equal `draftlab eval`'s. On a CPU, "
+                "`draftlab engine build --vllm` sets up vLLM's CPU build and `draftlab engine serve --vllm --target "
+                "TARGET --export .` starts the same server.")
+
+
+def vllm_serve(base: str, method: str, repo: str, k: int) -> str:
+    """The `vllm serve` line of a drafter served with `--speculative-config` (vllm_tools.METHODS)."""
+    return (f"```bash\nvllm serve {base} --speculative-config "
+            f"'{{\"method\": \"{method}\", \"model\": \"{repo}\", \"num_speculative_tokens\": {k}}}'\n```\n\n"
+            + VLLM_CHECKED)
+
+
 def usage(meta: dict, reports) -> dict[str, str]:
     """Engine -> markdown: a command that loads this export, or why that engine cannot."""
     repo = meta.get("repo_id") or "ORG/NAME"
@@ -160,9 +173,7 @@ def usage(meta: dict, reports) -> dict[str, str]:
              "this drafter reads the target's hidden states.")
     sh = "```bash\n{}\n```".format
     if fmt_ == "eagle":
-        vllm = (sh(f"vllm serve {base} --speculative-config "
-                   f"'{{\"method\": \"eagle\", \"model\": \"{repo}\", \"num_speculative_tokens\": {k}}}'")
-                + "\n\n(vLLM's EAGLE-1 drafter is built for Llama-architecture targets.)")
+        vllm = vllm_serve(base, "eagle", repo, k) + " vLLM's EAGLE-1 drafter is built for Llama-architecture targets."
         if details.get("fc_bias", True):
             vllm = ("Not supported by vLLM as exported: vLLM's EAGLE-1 module has no FC bias and would drop this "
                     "head's trained `fc.bias`; a head trained with `drafter.fc_bias=false` serves in vLLM.")
@@ -179,9 +190,8 @@ def usage(meta: dict, reports) -> dict[str, str]:
                   "1.2.1's target class and head always use rope theta 10,000, so it serves only targets with that "
                   "rope base faithfully."}
     if fmt_ == "speculators":
-        vllm = sh(f"vllm serve {repo}   # the speculators config names the target; vLLM loads both\n# or, explicitly:\n"
-                  f"vllm serve {base} --speculative-config "
-                  f"'{{\"method\": \"eagle3\", \"model\": \"{repo}\", \"num_speculative_tokens\": {k}}}'")
+        vllm = (sh(f"vllm serve {repo}   # the speculators config names the target; vLLM loads both") + "\n\nor, "
+                "explicitly:\n\n" + vllm_serve(base, "eagle3", repo, k))
         if details.get("repeated_aux"):
             vllm = (f"Not supported by vLLM for this head: its aux layer ids {details['aux_layers']} repeat a layer "
                     "and vLLM collects each target layer once (a target with more layers gives distinct ids).")
@@ -195,7 +205,9 @@ def usage(meta: dict, reports) -> dict[str, str]:
     if fmt_ == "medusa":
         shared = ("" if details.get("layers", 1) == 1 else " The official Medusa code shares one ResBlock across "
                   "a head's layers, so these multi-layer heads load correctly only in TGI.")
-        out = {"vLLM": "Not supported by vLLM as exported (vLLM's Medusa drafter needs a converted checkpoint).",
+        heads = int(details.get("heads") or k)
+        out = {"vLLM": vllm_serve(base, "medusa", repo, min(k, heads)) + " vLLM drafts a chain from the heads' top-1 "
+                       f"tokens (up to {heads}, one per head), not Medusa's tree.",
                "SGLang": "Not supported by SGLang (it has no Medusa heads).",
                "transformers": no_tf,
                "TGI": sh(f"text-generation-launcher --model-id {repo}   # reads medusa_num_heads and "
@@ -207,6 +219,8 @@ def usage(meta: dict, reports) -> dict[str, str]:
                  "projection and silently drops the trained one. medusa-llm 0.1's target class always uses rope "
                  "theta 10,000, so it serves only targets with that rope base faithfully." + shared}
         if details.get("merged_target"):
+            out["vLLM"] = ("Not supported by vLLM as exported: this Medusa-2 export's target is adapted (LoRA merged), "
+                           "and vLLM's `medusa` drafter reads only heads beside an unchanged target.")
             out["transformers"] = ("The adapted (LoRA-merged) target is the model here; transformers' `generate` "
                                    "serves it without the heads:\n\n" + python_block(
                                        "from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
@@ -231,11 +245,12 @@ def usage(meta: dict, reports) -> dict[str, str]:
                 f"pytorch_model.bin from this folder, with `--mlp_num {details.get('mlp_heads')}` and a depth of "
                 f"serial tokens + MLP heads on its command line." + fit}
     if fmt_ == "dflash":    # z-lab's DFlashDraftModel layout (drafters/dflash.py); the engines were not run here
-        block = details.get("block_size", 16)
+        block, layers = details.get("block_size", 16), list(details.get("target_layers") or [])
         return {"SGLang": sh(f"python -m sglang.launch_server --model-path {base} --speculative-algorithm DFLASH \\\n"
                              f"  --speculative-draft-model-path {repo}"),
-                "vLLM": sh(f"vllm serve {base} --speculative-config "
-                           f"'{{\"method\": \"dflash\", \"model\": \"{repo}\", \"num_speculative_tokens\": {block - 1}}}'"),
+                "vLLM": vllm_serve(base, "dflash", repo, block - 1) if len(set(layers)) == len(layers) else (
+                    f"Not supported by vLLM for this drafter: its target layer ids {layers} repeat a layer and vLLM "
+                    "collects each target layer once (a target with more layers gives distinct ids)."),
                 "llama.cpp": sh(f"python convert_hf_to_gguf.py {repo} --target-model-dir {base} --outfile draft.gguf\n"
                                 f"llama-server -m TARGET.gguf -md draft.gguf --spec-type draft-dflash "
                                 f"--spec-draft-n-max {block - 1}"),
@@ -252,8 +267,7 @@ def usage(meta: dict, reports) -> dict[str, str]:
                 "inputs = tokenizer.apply_chat_template([{\"role\": \"user\", \"content\": \"Hello!\"}], "
                 "add_generation_prompt=True, return_dict=True, return_tensors=\"pt\")\n"
                 "out = target.generate(**inputs, assistant_model=draft, max_new_tokens=128)"),
-                "vLLM": sh(f"vllm serve {base} --speculative-config '{{\"method\": \"draft_model\", "
-                           f"\"model\": \"{repo}\", \"num_speculative_tokens\": {k}}}'"),
+                "vLLM": vllm_serve(base, "draft_model", repo, k),
                 "SGLang": sh(f"python -m sglang.launch_server --model-path {base} --speculative-algorithm STANDALONE "
                              f"\\\n  --speculative-draft-model-path {repo} {sglang_tree_flags([], k)}")}
     return {"vLLM": "Not supported by vLLM (draftlab-native format).",

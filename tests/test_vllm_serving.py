@@ -74,8 +74,8 @@ def fitted(kind: str, model, tok, answers):
     build = {"eagle3": lambda: EagleHead3.from_target(model, SimpleNamespace(norm_output=False, ttt_steps=3)),
              "eagle": lambda: EagleHead.from_target(model, SimpleNamespace(fc_bias=False)),
              "medusa": lambda: MedusaHeads.from_target(model, SimpleNamespace(medusa_heads=K)),
-             "dflash": lambda: DFlashDrafter.from_target(model, SimpleNamespace(num_layers=2, block_size=K + 1,
-                                                                              target_layers=[1, 2], num_anchors=64))}[kind]
+             "dflash": lambda: DFlashDrafter.from_target(model, SimpleNamespace(
+                 num_layers=2, block_size=K + 1, target_layers=[1, 2], num_anchors=64))}[kind]
     return fit_to_answers(build(), model, answers, steps=80)
 
 
@@ -200,6 +200,8 @@ def test_served_answers_and_acceptance_equal_draftlab_eval(served, world, kind):
     accepted = sum(c.accepted for c in got["counts"])
     assert accepted > 0, f"{kind}: nothing accepted, nothing compared"
     assert 1 + accepted / drafts == pytest.approx(world["reports"][kind]["acceptance_length"], abs=1e-9)
+    card = (world["exports"][kind] / "README.md").read_text()      # the card gives the command that was checked
+    assert f'--speculative-config \'{{"method": "{vt.METHODS[kind]}"' in card
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -233,7 +235,8 @@ def test_metrics_counters_and_the_acceptance_length():
     got = vt.parse_metrics(page)
     assert got == vt.SpecCounters(drafts=75, draft_tokens=225, accepted=51)
     assert got.acceptance_length == pytest.approx(1 + 51 / 75)
-    assert (got - vt.SpecCounters(drafts=5, draft_tokens=15, accepted=1)).acceptance_length == pytest.approx(1 + 50 / 70)
+    fewer = got - vt.SpecCounters(drafts=5, draft_tokens=15, accepted=1)
+    assert fewer.acceptance_length == pytest.approx(1 + 50 / 70)
 
 
 def test_engine_commands_say_one_line(tmp_path, monkeypatch, capsys):
