@@ -19,7 +19,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -111,11 +110,22 @@ def check_eval_args(args) -> None:
                               "a round cannot draft more tokens than are generated")
 
 
+def eval_inputs(args) -> list[tuple[str, str]]:
+    """The paths `draftlab eval` reads (an output may be none of them)."""
+    inputs = [("--prompts", args.prompts), ("--checkpoint", args.checkpoint), ("--target", args.target),
+              ("--disco", args.disco)]
+    if not args.calibration_prompts.isdigit():
+        inputs.append(("--calibration-prompts", args.calibration_prompts))
+    return [(option, path) for option, path in inputs if path]
+
+
 def check_eval_files(args) -> None:
     """The files `draftlab eval` reads and writes, before anything loads: a prompt file that is a folder, and outputs
-    that could not be written once the evaluation has run (a folder, a path through a file, a folder this user cannot
-    write to), which would otherwise fail at the end and lose its results."""
+    that could not be written once the evaluation has run (an input of this command, a folder, a path through a file,
+    a folder this user cannot write to), which would otherwise fail at the end and lose its results, or destroy an
+    input (runlock.check_output)."""
     from draftlab.config import ConfigError
+    from draftlab.runlock import check_output
 
     inputs = [("--prompts", args.prompts)]
     if not args.calibration_prompts.isdigit():
@@ -131,35 +141,25 @@ def check_eval_files(args) -> None:
     if table.is_dir():
         raise ConfigError(f"--out {args.out}: the report's table goes beside it as {table}, which is a folder: move "
                           "that folder away or give the report another name")
-    check_writable("--out", args.out, "report.json")
+    reads = eval_inputs(args)
+    check_output("--out", args.out, inputs=reads, example="report.json")
+    for option, path in reads:
+        if Path(str(path)).expanduser().exists() and Path(str(path)).expanduser().resolve() == table.resolve():
+            raise ConfigError(f"--out {args.out}: the report's table is written beside it as {table}, which is "
+                              f"{option}: give the report another name (nothing was written)")
     if args.log_rounds:
-        check_writable("--log-rounds", args.log_rounds, "rounds.jsonl")
+        check_output("--log-rounds", args.log_rounds, inputs=reads, example="rounds.jsonl")
+        if Path(args.log_rounds).resolve() in (out.resolve(), table.resolve()):
+            raise ConfigError(f"--log-rounds {args.log_rounds} is the report file --out"
+                              f"{'' if Path(args.log_rounds).resolve() == out.resolve() else ' table'}: give the log "
+                              "its own file")
 
 
 def check_writable(option: str, path: str, example: str) -> None:
-    """Refuse (ConfigError) a file that cannot be written at `path`: a folder there, a file where a folder of its path
-    should be, or a folder this user cannot write to (tried with a temporary file, which is removed again). Folders
-    that do not exist yet are fine: they are made when the file is written."""
-    import tempfile
+    """Refuse (ConfigError) a file that cannot be written at `path` (runlock.check_output)."""
+    from draftlab.runlock import check_output
 
-    from draftlab.config import ConfigError
-
-    given = Path(path)
-    if given.is_dir():
-        raise ConfigError(f"{option} {path} is a folder: name the file to write, e.g. {option} {given / example}")
-    folder = given.parent
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise ConfigError(f"{option} {path}: {folder} is a file, not a folder: choose another path")
-    if given.exists() and not os.access(given, os.W_OK):
-        raise ConfigError(f"{option} {path} exists and cannot be written (permission denied): choose another path")
-    try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".draftlab-write-check-"):
-            pass
-    except OSError as e:
-        raise ConfigError(f"{option} {path}: {folder} cannot be written ({e.strerror or type(e).__name__}): choose a "
-                          "folder you can write to") from None
+    check_output(option, path, example=example)
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -173,16 +173,7 @@ def parse_lengths(text: str) -> list[int]:
 
 
 def cmd_eval(argv: list[str]) -> None:
-    from draftlab.checkpoint import checkpoint_target, load_step, resolve_checkpoint
-    from draftlab.drafters import DRAFTERS, load_drafter
     from draftlab.config import ConfigError
-    from draftlab.data import encode_prompt, load_prompts
-    from draftlab.evaluator import evaluate
-    from draftlab.report import report_markdown, save_plots, summary_line, write_report
-    from draftlab.rounds import drafter_identity
-    from draftlab.target import eos_ids, load_target
-    from draftlab.trees import TreeSpec
-    from draftlab.verify import Sampling
 
     args = eval_parser().parse_args(argv)
     auto = args.draft_length == "auto" or args.tree == "auto"
@@ -213,8 +204,25 @@ def cmd_eval(argv: list[str]) -> None:
     fixed_lengths = parse_lengths(args.fixed_k)
     if args.log_rounds and args.fixed_k:
         raise ConfigError("--log-rounds logs one drafting rule: drop --fixed-k (or log each fixed k in its own run)")
-    if args.log_rounds and Path(args.log_rounds).resolve() == Path(args.out).resolve():
-        raise ConfigError(f"--log-rounds {args.log_rounds} is the report file --out: give the log its own file")
+    from draftlab.runlock import claim_outputs
+
+    with claim_outputs([("--out", args.out), ("--log-rounds", args.log_rounds)]):  # one writer per output
+        evaluate_to_files(args, auto, auto_threshold, use_disco, fixed_lengths)
+
+
+def evaluate_to_files(args, auto: bool, auto_threshold: bool, use_disco: bool, fixed_lengths: list[int]) -> None:
+    """The evaluation `draftlab eval` asked for (its options checked, its outputs locked), its report written."""
+    from draftlab.checkpoint import checkpoint_target, load_step, resolve_checkpoint
+    from draftlab.config import ConfigError
+    from draftlab.data import encode_prompt, load_prompts
+    from draftlab.drafters import DRAFTERS, load_drafter
+    from draftlab.evaluator import evaluate
+    from draftlab.report import report_markdown, save_plots, summary_line, write_report
+    from draftlab.rounds import drafter_identity
+    from draftlab.runlock import write_atomic
+    from draftlab.target import eos_ids, load_target
+    from draftlab.trees import TreeSpec
+    from draftlab.verify import Sampling
     from draftlab.foreign import find_foreign
 
     foreign = find_foreign(args.checkpoint) if args.checkpoint else None     # a drafter trained elsewhere
@@ -306,15 +314,17 @@ def cmd_eval(argv: list[str]) -> None:
     else:
         from draftlab.rounds import RoundLog
 
-        log = RoundLog(args.log_rounds, args.log_topk, drafter=identity) if args.log_rounds else None
+        log = RoundLog(args.log_rounds, args.log_topk, drafter=identity, atomic=True) if args.log_rounds else None
         try:
             report = evaluate(target, proposer, prompt_ids, spec=spec, sampling=sampling,
                               max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
                               categories=categories, seed=args.seed, repeats=args.repeats, log_rounds=log)
-        finally:
+        except BaseException:
             if log is not None:
-                log.close()
+                log.discard()
+            raise
         if log is not None:
+            log.commit()
             report["round_log"] = {"path": args.log_rounds, "rows": log.rows, "target_topk": args.log_topk}
     report["drafter"] = label
     if shape is not None and use_disco:
@@ -330,7 +340,7 @@ def cmd_eval(argv: list[str]) -> None:
     report["turns"] = args.turns
     write_report(report, args.out)
     out = Path(args.out)
-    out.with_suffix(".md").write_text(report_markdown(report) + "\n")
+    write_atomic(out.with_suffix(".md"), report_markdown(report) + "\n", f"report table {out.with_suffix('.md')}")
     plots = save_plots(report, out.parent, prefix=out.stem)
     print(summary_line(report))
     print(f"report: {out} (table: {out.with_suffix('.md')}; plots: {', '.join(plots)})")

@@ -191,12 +191,15 @@ def train_classifier(x: Tensor, y: Tensor, *, hidden: int = 32, layers: int = 2,
 
 def save_classifier(model: StopClassifier, folder: str | Path, info: dict) -> Path:
     """Write disco.safetensors + disco.json into `folder` (created)."""
+    from draftlab.runlock import atomic_path, write_atomic
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / WEIGHTS_NAME))
-    (folder / CONFIG_NAME).write_text(json.dumps({"format": "draftlab.disco", "version": FORMAT_VERSION,
-                                                  "features": list(FEATURES), "hidden": model.hidden,
-                                                  "layers": model.layers, **info}, indent=2))
+    with atomic_path(folder / WEIGHTS_NAME) as tmp:      # each file whole or not at all; disco.json last
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp))
+    write_atomic(folder / CONFIG_NAME, json.dumps({"format": "draftlab.disco", "version": FORMAT_VERSION,
+                                                   "features": list(FEATURES), "hidden": model.hidden,
+                                                   "layers": model.layers, **info}, indent=2))
     return folder
 
 
@@ -424,7 +427,6 @@ def cmd_disco(argv: list[str]) -> None:
     """`draftlab disco --rounds LOG --out DIR` (or `--checkpoint DIR --prompts FILE`): train the stop classifier."""
     from draftlab.config import parse_command_args
     from draftlab.errors import OneLineParser
-    from draftlab.rounds import read_rounds
 
     p = OneLineParser(prog="draftlab disco", description="Train DISCO's stop classifier from a round log "
                       "(draftlab eval --log-rounds), or log one first from a checkpoint; use it with draftlab eval "
@@ -453,6 +455,27 @@ def cmd_disco(argv: list[str]) -> None:
     for name in ("hidden", "layers", "steps", "num_prompts", "max_length", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise DataError(f"--{name.replace('_', '-')} {getattr(args, name)}: give at least 1")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise DataError(f"--lr {args.lr}: give a learning rate above 0, e.g. --lr 0.01")
+    if not 0 <= args.seed <= 2**32 - 1:
+        raise DataError(f"--seed {args.seed}: give a seed in [0, 4294967295]")
+    from draftlab.runlock import check_output, claim_outputs
+
+    inputs = [("--rounds", r) for r in args.rounds or []] + [
+        (option, getattr(args, name)) for option, name in (("--checkpoint", "checkpoint"), ("--prompts", "prompts"),
+                                                           ("--target", "target"), ("--recipe", "recipe"))]
+    check_output("--out", args.out, folder=True, inputs=inputs, example="disco_out")
+    for path in args.rounds or []:
+        if Path(path).is_dir():
+            raise DataError(f"--rounds {path} is a folder: pass a round log (draftlab eval --log-rounds FILE)")
+    with claim_outputs([("--out", args.out)]):
+        train_and_save(args)
+
+
+def train_and_save(args) -> None:
+    """`draftlab disco` once its options and --out are checked and --out is locked."""
+    from draftlab.rounds import read_rounds
+
     rounds = args.rounds or [str(log_rounds(args, Path(args.out)))]
     rows = [row for path in rounds for row in read_rounds(path)]
     x, y = examples_from_rounds(rows)

@@ -437,7 +437,13 @@ def cmd_push(argv: list[str]) -> None:
     if args.format == "gguf":
         options.update(gguf_outtype=args.gguf_outtype, target_gguf=args.target_gguf)
     if args.to:
-        out = export_checkpoint(args.checkpoint, args.to, repo_id=args.repo_id, **options)
+        from draftlab.runlock import check_output, claim_outputs
+
+        check_output("--to", args.to, folder=True, replaces=True, example="export", inputs=[
+            ("the checkpoint", args.checkpoint), ("--target", args.target), ("--target-gguf", args.target_gguf),
+            ("--base-model", args.base_model), ("--disco", args.disco), *(("--eval", e) for e in args.eval)])
+        with claim_outputs([("--to", args.to)]):        # one export into a folder at a time
+            out = export_checkpoint(args.checkpoint, args.to, repo_id=args.repo_id, **options)
         print(f"exported {ckpt.resolve_checkpoint(args.checkpoint)} to {out}:")
         print("\n".join(f"  {p.relative_to(out)}" for p in sorted(out.rglob("*")) if p.is_file()))
         return

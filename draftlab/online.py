@@ -401,6 +401,17 @@ def cmd_serve_learn(argv: list[str]) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: give at least 1")
     if not 0.0 <= args.replay_share <= 1.0 or args.lr <= 0:
         raise ConfigError("--replay-share must be in [0, 1] and --lr above 0")
+    from draftlab.runlock import check_output, claim_outputs
+
+    check_output("--out", args.out, folder=True, example="learned", inputs=[
+        ("--checkpoint", args.checkpoint), ("--rounds", args.rounds), ("--heldout", args.heldout),
+        ("--target", args.target), ("--recipe", args.recipe)])
+    with claim_outputs([("--out", args.out)]):      # one learner per --out: a second is refused by the first's pid
+        learn(args)
+
+
+def learn(args) -> None:
+    """`draftlab serve-learn` once its options are checked and --out is locked."""
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not (out / STATE_NAME).is_file():
         raise ConfigError(f"--out {out} is not empty and not a serve-learn folder (no {STATE_NAME}): give a new folder")

@@ -133,9 +133,10 @@ def _clean(x):
 
 
 def write_report(report: dict, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_clean(report), indent=2) + "\n")
+    """Written under a temporary name and renamed into place: a reader sees the old report or the new one."""
+    from draftlab.runlock import write_atomic
+
+    write_atomic(path, json.dumps(_clean(report), indent=2) + "\n", f"report {path}")
 
 
 def fmt(x, digits: int = 3) -> str:

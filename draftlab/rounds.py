@@ -99,17 +99,37 @@ def prompt_hash(ids: list[int]) -> str:
 class RoundLog:
     """Writes the round log of one evaluation to `path` (replaced if it exists; appended to with append=True).
     `topk`: target top-k per position; `drafter`: the drafter's identity (`drafter_identity`), written in round 0 rows.
+    atomic=True (draftlab eval): rows go to `PATH.partial`, which `commit()` renames to `path` once the evaluation is
+    complete (`discard()` removes it), so an existing log is replaced only by a whole one.
 
     `for_prompt(i, prompt_ids)` gives the logger `speculative_generate` calls once per round; it also asks the
     proposer to record draft statistics while that prompt decodes (`drafting.STATS_FLAG`), and only then.
     """
 
-    def __init__(self, path: str | Path, topk: int = DEFAULT_TOPK, append: bool = False, drafter: dict | None = None):
+    def __init__(self, path: str | Path, topk: int = DEFAULT_TOPK, append: bool = False, drafter: dict | None = None,
+                 atomic: bool = False):
         if topk < 1:
             raise DataError(f"round log top-k {topk}: give at least 1")
-        self.path, self.topk, self.rows, self.drafter = Path(path), topk, 0, drafter
+        self.final = Path(path)
+        self.path = self.final.with_name(self.final.name + ".partial") if atomic and not append else self.final
+        self.topk, self.rows, self.drafter = topk, 0, drafter
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a" if append else "w")
+
+    def commit(self) -> None:
+        """The log is complete: close it and (atomic=True) rename it into place."""
+        self.close()
+        if self.path != self.final:
+            import os
+
+            os.replace(self.path, self.final)
+            self.path = self.final
+
+    def discard(self) -> None:
+        """Close and remove a partial log (atomic=True only)."""
+        self.close()
+        if self.path != self.final:
+            self.path.unlink(missing_ok=True)
 
     def for_prompt(self, index: int, prompt_ids: Tensor) -> "PromptLog":
         return PromptLog(self, index, prompt_ids.reshape(-1).tolist())
@@ -118,12 +138,39 @@ class RoundLog:
         data = asdict(row)
         if data["drafter"] is None:       # the optional key only where it says something
             del data["drafter"]
-        self.file.write(json.dumps(data) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(data) + "\n")
+            self.file.flush()
+        except OSError as e:
+            self._failed(e)
         self.rows += 1
 
+    def _failed(self, e: OSError):
+        """A full disk names the log and the space left, and removes the partial log (atomic=True)."""
+        from draftlab.errors import DiskFullError, free_bytes, human_bytes, is_disk_full
+
+        if not is_disk_full(e):
+            raise e
+        try:
+            self.file.close()
+        except OSError:
+            pass
+        removed = ""
+        if self.path != self.final:
+            self.path.unlink(missing_ok=True)
+            removed = f"; its partial {self.path.name} was removed"
+        free = free_bytes(self.final.parent)
+        room = f" ({human_bytes(free)} free there now)" if free is not None else ""
+        raise DiskFullError(f"no space left on device writing round log {self.final}{room}{removed}: free some space "
+                            "and run the command again") from None
+
     def close(self) -> None:
-        self.file.close()
+        if self.file.closed:
+            return
+        try:
+            self.file.close()
+        except OSError as e:
+            self._failed(e)
 
     def __enter__(self) -> "RoundLog":
         return self

@@ -210,3 +210,172 @@ def stale_note(lock: FolderLock) -> str | None:
     if lock.took_over is None:
         return None
     return f"{lock.what}: took over the lock of {holder_text(lock.took_over)}, which is no longer running"
+
+
+# --- the outputs of a command (eval's report and round log, disco's and serve-learn's folders, push's export) ------
+# Every command checks each output before any work (`check_output`: not one of its inputs, not another kind of
+# thing, writable), holds a lock on it while it runs (`claim_outputs`: a second writer is refused by the first's pid)
+# and writes it under a temporary name that is renamed into place when it is complete (`atomic_path`).
+
+def output_lock_path(path: str | Path) -> Path:
+    """The lock of an output file or folder: a hidden file beside it (a folder replaced whole keeps its lock)."""
+    path = Path(path)
+    path = path.resolve() if path.name in ("", ".", "..") else path
+    return path.with_name(f".{path.name}.draftlab.lock")
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def _inside(inner: Path, outer: Path) -> bool:
+    try:
+        return inner.resolve().is_relative_to(outer.resolve())
+    except OSError:
+        return False
+
+
+def check_output(option: str, path: str | Path, *, folder: bool = False, inputs=(), example: str = "",
+                 replaces: bool = False) -> None:
+    """ConfigError (one line, nothing written) when `path` cannot be this command's output: it is one of `inputs`
+    ((option, path) pairs; for a folder that is replaced whole, `replaces=True`, an input inside it too), it is another
+    kind of thing (a folder where a file is written, a file where a folder is), a folder of its path is a file, or it
+    cannot be written (tried with a temporary file, removed again). Folders that do not exist yet are fine."""
+    import tempfile
+
+    given = Path(path)
+    for other, where in inputs:
+        if where is None or str(where) == "":
+            continue
+        where = Path(str(where)).expanduser()
+        if _same(given, where):
+            raise ConfigError(f"{option} {path} is {other} {where}, an input of this command: writing it would "
+                              f"destroy what it reads; choose another {option} (nothing was written)")
+        if replaces and where.exists() and _inside(where, given):
+            raise ConfigError(f"{option} {path} holds {other} {where}, and this command replaces that folder whole: "
+                              f"choose another {option} (nothing was written)")
+    if folder:
+        if given.exists() and not given.is_dir():
+            raise ConfigError(f"{option} {path} is a file, not a folder: give a folder (new or one this command "
+                              "wrote), e.g. " + (f"{option} {given.with_suffix('')}_out" if not example else
+                                                 f"{option} {example}") + " (nothing was written)")
+    elif given.is_dir():
+        raise ConfigError(f"{option} {path} is a folder: name the file to write, e.g. {option} {given / example}")
+    parent = given if folder else given.parent
+    parent = parent.resolve() if parent.name in ("", ".", "..") else parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{option} {path}: {parent} is a file, not a folder: choose another path")
+    if given.exists() and not folder and not os.access(given, os.W_OK):
+        raise ConfigError(f"{option} {path} exists and cannot be written (permission denied): choose another path")
+    probe_dirs = [parent]
+    if folder and given.is_dir() and given.resolve() != parent.resolve():
+        probe_dirs.append(given)
+    if folder and given.parent.exists():  # a folder replaced whole or made: its parent is written too
+        probe_dirs.append(given.resolve().parent if given.name in ("", ".", "..") else given.parent)
+    for where in dict.fromkeys(probe_dirs):
+        try:
+            with tempfile.NamedTemporaryFile(dir=where, prefix=".draftlab-write-check-"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"{option} {path}: {where} cannot be written ({e.strerror or type(e).__name__}): "
+                              "choose a folder you can write to") from None
+
+
+class OutputLocks:
+    """Locks on a command's outputs, all taken or none (`claim_outputs`); release() drops them."""
+
+    def __init__(self, locks: list[FolderLock]):
+        self.locks = locks
+
+    def release(self) -> None:
+        for lock in reversed(self.locks):
+            lock.release()
+        self.locks = []
+
+    def __enter__(self) -> "OutputLocks":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def claim_outputs(outputs) -> OutputLocks:
+    """Lock every (option, path) output of a command (a hidden lock file beside each): LockError naming the holder's
+    pid when another process writes one of them; then none is held."""
+    held: list[FolderLock] = []
+    try:
+        for option, path in outputs:
+            if path is None:
+                continue
+            lock = FolderLock(output_lock_path(path), f"{option} {path}",
+                              f"wait for that process to finish, or choose another {option}")
+            held.append(lock.acquire())
+    except BaseException:
+        for lock in reversed(held):
+            lock.release()
+        raise
+    return OutputLocks(held)
+
+
+def temporary_name(path: str | Path) -> Path:
+    """Where `path` is written before it is renamed into place: a hidden sibling (a reader never sees half a file)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.draftlab-tmp")
+
+
+class atomic_path:
+    """`with atomic_path(path) as tmp:` write tmp; on success it replaces `path` (fsynced), on any failure it is
+    removed and `path` is unchanged. A full disk becomes a DiskFullError naming `path` and the space left."""
+
+    def __init__(self, path: str | Path, what: str | None = None):
+        self.path = Path(path)
+        self.tmp = temporary_name(self.path)
+        self.what = what or str(self.path)
+
+    def __enter__(self) -> Path:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp.unlink(missing_ok=True)
+        return self.tmp
+
+    def __exit__(self, kind, error, tb) -> bool:
+        if kind is None:
+            try:
+                with open(self.tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+                os.replace(self.tmp, self.path)
+                return False
+            except BaseException as e:  # noqa: BLE001 (turned into the same cleanup below)
+                kind, error = type(e), e
+                self.tmp.unlink(missing_ok=True)
+                raise self._user_error(e) from None
+        self.tmp.unlink(missing_ok=True)
+        user = self._user_error(error)
+        if user is not error:
+            raise user from None
+        return False
+
+    def _user_error(self, e: BaseException) -> BaseException:
+        from draftlab.errors import DiskFullError, disk_full_errno, free_bytes, human_bytes
+
+        full = disk_full_errno(e, self.path.parent) if isinstance(e, Exception) else None
+        if full is None:
+            return e
+        free = free_bytes(self.path.parent)
+        reason = "disk quota exceeded" if full == errno.EDQUOT else "no space left on device"
+        room = f" ({human_bytes(free)} free there now)" if free is not None else ""
+        return DiskFullError(f"{reason} writing {self.what}{room}: nothing was replaced and no partial file is left; "
+                             "free some space and run the command again")
+
+
+def write_atomic(path: str | Path, data: str | bytes, what: str | None = None) -> None:
+    """Write a whole file under a temporary name, then rename it into place (atomic_path)."""
+    with atomic_path(path, what) as tmp:
+        if isinstance(data, str):
+            tmp.write_text(data)
+        else:
+            tmp.write_bytes(data)
