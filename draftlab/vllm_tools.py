@@ -559,3 +559,55 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# served against draftlab eval (tests/test_vllm_serving.py, bench/vllm_serving.py)
+
+
+def draftlab_answer(rows, prompt: int, max_new_tokens: int, eos: set[int] | int | None) -> list[int]:
+    """The answer `draftlab eval` emitted for prompt `prompt`, read from its round log (`rounds.read_rounds` rows: the
+    prefill's token, then each round's new tokens), cut at max_new_tokens and after the first EOS."""
+    eos = {eos} if isinstance(eos, int) else set(eos or ())
+    first = next(r for r in rows if r.prompt == prompt and r.round == 0)
+    seq = ([int(first.root)] + [int(t) for r in rows if r.prompt == prompt for t in r.new_tokens])[:max_new_tokens]
+    return cut_at_eos(seq, eos)
+
+
+def cut_at_eos(ids: list[int], eos: set[int]) -> list[int]:
+    end = next((i for i, t in enumerate(ids) if t in eos), None)
+    return ids if end is None else ids[:end + 1]
+
+
+@dataclass
+class ServedPrompts:
+    """A prompt set answered by one server, one request at a time."""
+    answers: list[list[int]]          # generated token ids per prompt (cut after EOS)
+    counts: list[SpecCounters]        # vLLM's counters per prompt (after - before)
+    seconds: list[float]              # wall time per request (prefill included)
+
+    @property
+    def total(self) -> SpecCounters:
+        out = SpecCounters()
+        for c in self.counts:
+            out = SpecCounters(out.drafts + c.drafts, out.draft_tokens + c.draft_tokens, out.accepted + c.accepted)
+        return out
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(len(a) for a in self.answers) / sum(self.seconds) if sum(self.seconds) else float("nan")
+
+
+def serve_prompts(server: VllmServer, prompt_ids: list[list[int]], max_tokens: int,
+                  eos: set[int] | int | None = None) -> ServedPrompts:
+    """Each prompt (token ids) completed greedily in turn, vLLM's counters read around each request."""
+    eos = {eos} if isinstance(eos, int) else set(eos or ())
+    out = ServedPrompts([], [], [])
+    for ids in prompt_ids:
+        before = server.settled_counters()
+        start = time.perf_counter()
+        answer, _ = server.complete(ids, max_tokens)
+        out.seconds.append(time.perf_counter() - start)
+        out.answers.append(cut_at_eos(answer, eos))
+        out.counts.append(server.settled_counters() - before)
+    return out

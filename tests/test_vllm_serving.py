@@ -123,20 +123,8 @@ def world(engine, tiny_tokenizer, tmp_path_factory):
     for i in range(len(PROMPTS)):
         first = next(r for r in rows if r.prompt == i and r.round == 0)
         out["prompt_ids"].append([int(t) for t in first.prompt_ids])
-        out["answers"].append(draftlab_answer(rows, i, tok.eos_token_id))
+        out["answers"].append(vt.draftlab_answer(rows, i, NEW_TOKENS, tok.eos_token_id))
     return out
-
-
-def draftlab_answer(rows, prompt: int, eos: int) -> list[int]:
-    """The answer draftlab emitted for a prompt (its round log: the prefill's token, then each round's new tokens),
-    cut at NEW_TOKENS and after EOS."""
-    first = next(r for r in rows if r.prompt == prompt and r.round == 0)
-    seq = ([int(first.root)] + [int(t) for r in rows if r.prompt == prompt for t in r.new_tokens])[:NEW_TOKENS]
-    return seq[:seq.index(eos) + 1] if eos in seq else seq
-
-
-def served_answer(ids: list[int], eos: int) -> list[int]:
-    return ids[:ids.index(eos) + 1] if eos in ids else ids
 
 
 @pytest.fixture(scope="module")
@@ -152,16 +140,11 @@ def served(world, engine, tiny_tokenizer):
             with vt.VllmServer(world["target_dir"], export=export, draft_length=K, max_model_len=512, kv_cache_gib=1,
                                engine=engine, log_path=world["root"] / f"vllm_{kind}.log") as server:
                 ready = time.monotonic() - start
-                answers, counts = [], []
-                for ids in world["prompt_ids"]:
-                    before = server.counters()
-                    out, _ = server.complete(ids, NEW_TOKENS)
-                    answers.append(served_answer(out, eos))
-                    counts.append(server.settled_counters() - before)
+                got = vt.serve_prompts(server, world["prompt_ids"], NEW_TOKENS, eos)
         except vt.VllmError as e:
             result[kind] = {"error": str(e)}
             continue
-        result[kind] = {"answers": answers, "counts": counts, "start_s": ready,
+        result[kind] = {"answers": got.answers, "counts": got.counts, "start_s": ready,
                         "total_s": time.monotonic() - start}
     print("\nvLLM served (k=%d, %d prompts, %d tokens):" % (K, len(PROMPTS), NEW_TOKENS))
     for kind, got in result.items():
@@ -322,3 +305,12 @@ def test_a_server_that_never_answers_is_stopped_with_its_children(tmp_path):
     assert time.monotonic() - start < 30
     with pytest.raises(ProcessLookupError):     # SIGKILL after the grace period reached the whole group
         os.kill(child, 0)
+
+
+def test_draftlab_answer_from_the_round_log():
+    rows = [SimpleNamespace(prompt=0, round=0, root=5, new_tokens=[6, 7]),
+            SimpleNamespace(prompt=1, round=0, root=9, new_tokens=[2, 4]),
+            SimpleNamespace(prompt=0, round=1, root=7, new_tokens=[8, 9, 10])]
+    assert vt.draftlab_answer(rows, 0, 5, None) == [5, 6, 7, 8, 9]
+    assert vt.draftlab_answer(rows, 1, 8, {2}) == [9, 2]                # cut after EOS, EOS kept (vLLM keeps it)
+    assert vt.cut_at_eos([1, 2, 3], {7}) == [1, 2, 3]
