@@ -56,7 +56,8 @@ METHODS = {"eagle3": "eagle3", "dflash": "dflash", "small_lm": "draft_model", "e
 # kinds vLLM 0.32 does not serve, and why (one line each)
 NOT_SERVED = {
     "gumiho": "vLLM has no Gumiho drafter",
-    "medusa2": "a Medusa-2 export changes the target (merged LoRA): serve the merged target with its heads as `medusa`",
+    "medusa2": "its export is an adapted (LoRA-merged) target with heads, and vLLM's `medusa` reads heads beside an "
+               "unchanged target",
     "acceptance": "vLLM has no acceptance head (SpecDec++); serve the draft model as small_lm (`draft_model`)",
 }
 
