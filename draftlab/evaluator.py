@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from draftlab.report import build_report
 from draftlab.target import target_features
-from draftlab.trees import TreeSpec, tree_masks, tree_position_ids, whole_cache
+from draftlab.trees import TreeSpec, additive, layer_masks, tree_masks, tree_position_ids, whole_cache
 from draftlab.verify import Sampling, accept
 
 
@@ -92,6 +92,67 @@ def compact_cache(cache: DynamicCache, start: int, keep: Tensor) -> None:
             layer.values[..., start:start + m, :] = layer.values.index_select(-2, idx)
         layer.keys = layer.keys[..., : start + m, :]
         layer.values = layer.values[..., : start + m, :]
+
+
+# Largest logit gap between one explicit-mask forward and the model's own causal decoding that still counts as the
+# same computation: fp32 sums in another order differ by ~1e-6 (ALiBi or unwindowed local attention: 0.2 and more).
+MASK_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+
+
+@torch.inference_mode()
+def explicit_mask_gap(target, tree: bool = True) -> float:
+    """How far a forward under draftlab's explicit masks is from the target's own decoding, on random tokens: one
+    verification forward over a two-branch tree (tree_masks, depth positions) against each branch fed as a chain
+    with the model's own causal mask; tree=False: one forward under an explicit causal 4-D mask (what packed
+    training rows use) against the model's own mask. The prompt is one token longer than the shortest sliding
+    window (capped at 1,024 tokens), so windows are crossed. Returns the largest absolute logit difference
+    (inf when the model refuses the mask)."""
+    text = target.config.get_text_config(decoder=True)
+    windows = [w for w in (getattr(text, "sliding_window", None), getattr(text, "attention_chunk_size", None)) if w]
+    length = min(max(24, min(windows, default=0) + 1), 1024)
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, text.vocab_size, (length + 6,), generator=generator).to(target.device)
+    prompt, rest = ids[:length], ids[length:]
+    try:
+        if not tree:
+            full = target(input_ids=prompt[None]).logits[0]
+            visible = torch.ones(length, length, dtype=torch.bool, device=target.device).tril()
+            bias = layer_masks(target.config, additive(visible, target.dtype),
+                               torch.arange(length, device=target.device), torch.arange(length, device=target.device))
+            return float((target(input_ids=prompt[None], attention_mask=bias).logits[0] - full).abs().max())
+        cache = whole_cache()
+        target(input_ids=prompt[None], past_key_values=cache, use_cache=True)
+        parents = torch.tensor([-1, -1, 0, 1, 2], device=target.device)   # branches root-0-2-4 and root-1-3
+        out = target(input_ids=rest[None], attention_mask=tree_masks(target.config, parents, length, target.dtype),
+                     position_ids=tree_position_ids(parents, length)[None], past_key_values=cache, use_cache=True)
+        gap = 0.0
+        for path in ([0, 2, 4], [1, 3]):
+            compact_cache(cache, length, torch.zeros(0, dtype=torch.long, device=target.device))
+            rows = [0] + [n + 1 for n in path]
+            chain = target(input_ids=rest[rows][None], past_key_values=cache, use_cache=True).logits[0]
+            gap = max(gap, float((out.logits[0, rows] - chain).abs().max()))
+        return gap
+    except (RuntimeError, ValueError, TypeError):
+        return float("inf")
+
+
+def check_explicit_masks(target, tree: bool = True) -> None:
+    """Refuse, in one line, drafting trees (tree=True) or packed training rows (tree=False) on a target whose attention
+    does not follow explicit masks and position ids (its bias from key order, as ALiBi; local attention that its
+    config does not describe as sliding windows): speculative output would not be the target's. Checked once per
+    target and shape."""
+    checked = target.__dict__.setdefault("_draftlab_masks", {})
+    if tree not in checked:
+        checked[tree] = explicit_mask_gap(target, tree)
+    gap, tolerance = checked[tree], MASK_TOLERANCE.get(target.dtype, 5e-2)
+    if gap > tolerance:
+        from draftlab.errors import TargetError
+
+        what, fix = (("a draft tree verified in one forward", "evaluate chains: eval.tree=chain / --tree chain") if tree
+                     else ("a packed training row under its 4-D mask", "train unpacked: train.pack_tokens=0"))
+        raise TargetError(f"target {target.config.model_type}: {what} does not compute what its own decoding does "
+                          f"(largest logit gap {gap:.3g}; its attention ignores explicit masks or position ids, e.g. "
+                          f"ALiBi): {fix}")
 
 
 def _record_predictions(result: GenerationResult, proposer, tree, path: list[int]) -> None:
@@ -346,6 +407,8 @@ def evaluate(target, proposer, prompts: list[Tensor], *, spec: TreeSpec, samplin
     """
     wall = time.perf_counter()
     device = target.device
+    if spec.kind != "chain":
+        check_explicit_masks(target, tree=True)
     if repeats >= 1:
         results, base_results, timing = interleaved_side_by_side(
             target, {"": (proposer, spec)}, prompts, sampling=sampling, max_new_tokens=max_new_tokens,

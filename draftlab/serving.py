@@ -31,10 +31,10 @@ LAYER_CONFIG_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_si
 # dense draft layers: what every feature-level kind (EAGLE, EAGLE-3, Gumiho, DFlash) stacks, whatever the target
 
 
-# Rope scalings that every loader of EAGLE-style draft layers builds (the official EAGLE code: none, linear and dynamic;
-# vLLM, SGLang and llama.cpp also llama3). A draft layer of a target with another one (YaRN: gpt-oss, longrope: Phi-3
+# Rope scalings that every loader of EAGLE-style draft layers builds (the official EAGLE code reads only linear and
+# dynamic ones). A draft layer of a target with another one (llama3: Llama 3.1-3.3, YaRN: gpt-oss, longrope: Phi-3
 # long) uses plain rope at the target's theta: the draft layer's rope need only be the same in training and serving.
-SERVED_ROPE = ("default", "linear", "dynamic", "llama3")
+SERVED_ROPE = ("default", "linear", "dynamic")
 
 
 def full_attention_rope(text) -> dict:
@@ -66,8 +66,9 @@ def dense_width(text) -> int:
 
 def dense_config(text, num_layers: int):
     """A `LlamaConfig` for a `num_layers` draft stack sized from the target's text config `text`: hidden size,
-    attention and KV heads, head size, MLP width (`dense_width`), norm epsilon, the full-attention rope, vocabulary
-    and special ids. Whatever the target's own layer is (Gemma's (1+w) norms and soft-capped attention, Phi-3's fused
+    attention and KV heads, MLP width (`dense_width`), norm epsilon, the full-attention rope, vocabulary and special
+    ids. The head size is hidden / heads, the one every loader derives (the official EAGLE code has no head_dim key;
+    Qwen3-0.6B's own heads are 128 wide at 1,024 / 16, MLA's head_dim is only its rope part). Whatever the target's own layer is (Gemma's (1+w) norms and soft-capped attention, Phi-3's fused
     projections, OLMo 2's post-norms, MoE blocks, sliding windows), the draft layer is the dense pre-norm Llama layer
     with SiLU that vLLM, SGLang and llama.cpp build for EAGLE heads; tree masks need sdpa or eager attention."""
     from transformers import LlamaConfig
@@ -80,7 +81,7 @@ def dense_config(text, num_layers: int):
         vocab_size=text.vocab_size, hidden_size=text.hidden_size, intermediate_size=dense_width(text),
         num_hidden_layers=num_layers, num_attention_heads=heads,
         num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, hidden_act="silu",
+        head_dim=text.hidden_size // heads, hidden_act="silu",
         max_position_embeddings=getattr(text, "max_position_embeddings", None) or 4096,
         initializer_range=getattr(text, "initializer_range", None) or 0.02, rms_norm_eps=eps,
         rope_parameters=full_attention_rope(text), attention_bias=False, mlp_bias=False,
@@ -237,6 +238,17 @@ def write_json(path: Path, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
+
+
+def lora_targets(model: torch.nn.Module) -> list[str]:
+    """The modules LoRA adapts: every plain projection (`nn.Linear`, GPT-2's `Conv1D`) but the LM head. A subclass of
+    Linear with its own forward (a MoE router returning a tuple, as Phi-MoE's) and MoE expert tensors are left alone,
+    where peft's "all-linear" wraps them too."""
+    from transformers.pytorch_utils import Conv1D
+
+    head = model.get_output_embeddings()
+    return [name for name, module in model.named_modules()
+            if type(module) in (torch.nn.Linear, Conv1D) and module is not head]
 
 
 def unwrap_lora(model: torch.nn.Module) -> None:

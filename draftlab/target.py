@@ -348,9 +348,9 @@ def check_speculable(config, name: str = "the target") -> None:
     other = sorted(attention_kinds(text) - set(VERIFIABLE_LAYERS))
     if stateful or other:
         what = f"{', '.join(other)} layers" if other else "recurrent (state-space) layers"
-        raise TargetError(f"target {name} ({config.model_type}) has {what}, whose state cannot be rolled back after a "
-                          f"rejected draft, so speculative decoding cannot verify drafts on it: draftlab supports "
-                          f"targets whose layers are all attention ({' or '.join(VERIFIABLE_LAYERS)})")
+        raise TargetError(f"target {name} ({config.model_type}) has {what}: draftlab verifies drafts through attention "
+                          f"layers ({', '.join(VERIFIABLE_LAYERS)}) only, whose KV cache it rolls back after a rejected "
+                          "draft; a recurrent or state-space layer's state, once updated by rejected tokens, cannot be")
 
 
 def load_target(path: str, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"):

@@ -71,6 +71,12 @@ def train(cfg, out_dir: Path, accelerator) -> dict:
     # --- target and data -------------------------------------------------------------------------------
     target, tokenizer = load_target(cfg.target.path, cfg.target.dtype, str(accelerator.device)
                                     if cfg.target.device == "auto" else cfg.target.device)
+    from draftlab.evaluator import check_explicit_masks
+
+    if cfg.eval.every and cfg.eval.tree in ("static", "dynamic"):
+        check_explicit_masks(target, tree=True)     # a target whose attention ignores tree masks: before training
+    if cfg.train.pack_tokens:
+        check_explicit_masks(target, tree=False)
     prepare_train_data(cfg, target, tokenizer, accelerator)
     conversations, stats = read_conversations(cfg.data.train, strict=cfg.data.strict, limit=cfg.data.limit or None)
     dataset = ChatDataset(conversations, tokenizer, cfg.data.max_length)

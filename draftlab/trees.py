@@ -172,8 +172,8 @@ def tree_attention_bias(parents: Tensor, prefix_len: int, dtype: torch.dtype) ->
 
 
 # The attention layers draftlab verifies drafts with: their KV cache can be cropped (or compacted to a tree path)
-# after a rejected draft. A sliding-window layer is kept whole and windowed by its mask (`layer_masks`).
-VERIFIABLE_LAYERS = ("full_attention", "sliding_attention")
+# after a rejected draft. Sliding-window and chunked layers are kept whole and restricted by their masks (`layer_masks`).
+VERIFIABLE_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 def attention_kinds(text) -> set[str]:
@@ -198,17 +198,20 @@ def layer_masks(config, bias: Tensor, query_pos: Tensor, key_pos: Tensor) -> Ten
     """An explicit additive mask bias [1, 1, q, k] (a tree mask over a `whole_cache`) as the model's layers need it.
     query_pos [q] / key_pos [k]: the positions of the queries and of every cached + new key. Sliding-window layers
     also mask every key `sliding_window` or more positions before its query (transformers' rule, on positions: a
-    tree node at depth d sits at prefix + d); a model with both kinds of layers (Gemma 3, gpt-oss: `layer_types`)
-    gets one mask per kind, the mapping transformers' models take instead of a single mask."""
+    tree node at depth d sits at prefix + d), chunked layers every key outside the query's chunk of positions; a
+    model with several kinds of layers (Gemma 3, gpt-oss, Llama 4: `layer_types`) gets one mask per kind, the
+    mapping transformers' models take instead of a single mask."""
     text = config.get_text_config(decoder=True)
     kinds = attention_kinds(text)
-    if "sliding_attention" not in kinds:
-        return bias
-    far = key_pos[None, :] <= query_pos[:, None] - text.sliding_window
-    sliding = bias.masked_fill(far, torch.finfo(bias.dtype).min)
-    if kinds == {"sliding_attention"}:
-        return sliding
-    return {kind: sliding if kind == "sliding_attention" else bias for kind in kinds}
+    hidden = {"full_attention": None}      # per kind: the keys it does not see beyond the tree mask (None: none)
+    if "sliding_attention" in kinds:
+        hidden["sliding_attention"] = key_pos[None, :] <= query_pos[:, None] - text.sliding_window
+    if "chunked_attention" in kinds:      # Llama 4: only keys of the query's own chunk of positions
+        chunk = text.attention_chunk_size
+        hidden["chunked_attention"] = (key_pos[None, :] // chunk) != (query_pos[:, None] // chunk)
+    masks = {kind: bias if hidden.get(kind) is None else bias.masked_fill(hidden[kind], torch.finfo(bias.dtype).min)
+             for kind in kinds}
+    return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
 def tree_masks(config, parents: Tensor, prefix: int, dtype: torch.dtype) -> Tensor | dict[str, Tensor]:

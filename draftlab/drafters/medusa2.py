@@ -23,7 +23,7 @@ from torch import Tensor
 
 from draftlab.drafters.medusa import MedusaConfig, MedusaHeads, MedusaProposer
 from draftlab.drafters.options import LoraOptions
-from draftlab.serving import add_legacy_keys, unwrap_lora
+from draftlab.serving import add_legacy_keys, lora_targets, unwrap_lora
 
 
 @dataclass
@@ -75,7 +75,7 @@ class Medusa2Lora(MedusaHeads):
         super().__init__(target, **medusa)
         lora_alpha = lora_alpha or 2 * lora_r              # 0 = 2r, the convention small_lm uses too
         self.lora_r, self.lora_alpha, self.lora_dropout, self.kl_weight = lora_r, lora_alpha, lora_dropout, kl_weight
-        config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules="all-linear",
+        config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=lora_targets(target),
                             bias="none")
         self.backbone = inject_adapter_in_model(config, target)   # registered: its LoRA weights train and save
         self.backbone.eval()

@@ -32,6 +32,7 @@ argmax over the draft rows of a full-head model is exactly its argmax wherever t
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from dataclasses import dataclass, field
@@ -45,7 +46,7 @@ from draftlab import packing, vocab
 from draftlab.drafters.options import DrafterConfig, DraftVocabOption, LoraOptions, settings
 from draftlab.errors import ConfigError
 from draftlab.proposers import CausalLMProposer
-from draftlab.serving import add_legacy_keys, decoder_layers, final_norm
+from draftlab.serving import add_legacy_keys, decoder_layers, final_norm, lora_targets
 
 MODES = ("offline_blackbox", "offline_whitebox", "online_whitebox", "online_blackbox")
 
@@ -146,7 +147,8 @@ def check_vocabulary(model, tokenizer, target, target_tok, where: str) -> None:
 
 def drafter_model_config(target, num_layers: int, hidden_size: int, heads: int, kv_heads: int, intermediate: int):
     """The target's own config (same family, same vocabulary and special tokens) with a smaller stack."""
-    cfg = copy.deepcopy(target.config.get_text_config(decoder=True))
+    source = target.config.get_text_config(decoder=True)
+    cfg = copy.deepcopy(source)
     hidden = hidden_size or cfg.hidden_size
     heads = heads or (cfg.num_attention_heads if hidden == cfg.hidden_size else max(1, hidden // 64))
     kv = kv_heads or min(getattr(cfg, "num_key_value_heads", heads) or heads, heads)
@@ -155,11 +157,17 @@ def drafter_model_config(target, num_layers: int, hidden_size: int, heads: int, 
                          f"that by num_key_value_heads {kv}: set drafter.num_attention_heads / num_key_value_heads")
     default_inter = cfg.intermediate_size if hidden == cfg.hidden_size else 4 * hidden
     cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size = num_layers, hidden, intermediate or default_inter
+    reshaped = (hidden, heads) != (source.hidden_size, source.num_attention_heads)
     cfg.num_attention_heads, cfg.num_key_value_heads = heads, kv
-    if getattr(cfg, "head_dim", None) is not None:
-        cfg.head_dim = hidden // heads
-    if getattr(cfg, "layer_types", None) is not None:
-        cfg.layer_types = list(cfg.layer_types)[:num_layers]
+    if reshaped and getattr(cfg, "head_dim", None) is not None:
+        # a head size derived from the new width; left alone for the target's own shapes (MLA's head_dim is its
+        # rope part) and where the config computes it (a read-only property, as Falcon's)
+        with contextlib.suppress(AttributeError):
+            cfg.head_dim = hidden // heads
+    for key, value in source.to_dict().items():      # per-layer lists (layer_types, attention_layers, ...): the first
+        if isinstance(value, list) and len(value) == source.num_hidden_layers and hasattr(cfg, key):
+            with contextlib.suppress(AttributeError):
+                setattr(cfg, key, list(value)[:num_layers])
     # the proposer's trees need explicit 4-D masks, which flash-attention kernels do not take
     if cfg._attn_implementation not in ("eager", "sdpa"):
         cfg._attn_implementation = "sdpa"
@@ -335,7 +343,7 @@ class SmallLM(nn.Module):
 
             model.requires_grad_(False)
             lora = LoraConfig(r=s["lora_r"], lora_alpha=s["lora_alpha"] or 2 * s["lora_r"],
-                              lora_dropout=s["lora_dropout"], target_modules="all-linear", task_type="CAUSAL_LM")
+                              lora_dropout=s["lora_dropout"], target_modules=lora_targets(model), task_type="CAUSAL_LM")
             model = get_peft_model(model, lora)
         model.generation_config.pad_token_id = getattr(target.config, "pad_token_id", None)
         return cls(target, model.to(target.device).train(), s, tokenizer, draft_vocab)
