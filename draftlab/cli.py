@@ -155,6 +155,23 @@ def check_eval_files(args) -> None:
                               "its own file")
 
 
+def check_draft_depth(args, config: dict, where: str) -> None:
+    """A chain longer, or a dynamic tree deeper, than the drafter can draft in one go (a DFlash block drafts
+    block_size - 1 tokens): refused as training refuses eval.draft_length / eval.depth beyond it."""
+    from draftlab.config import ConfigError
+
+    if config.get("kind") != "dflash" or not config.get("block_size"):
+        return
+    block = int(config["block_size"])
+    drafts = block - 1
+    for option, value in (("--draft-length", args.draft_length if args.tree == "chain" else None),
+                          ("--depth", args.depth if args.tree == "dynamic" else None),
+                          ("--fixed-k", max(parse_lengths(args.fixed_k), default=None))):
+        if isinstance(value, int) and value > drafts:
+            raise ConfigError(f"{option} {value} exceeds the {drafts} tokens a DFlash block of {block} drafts "
+                              f"({where}: drafter.block_size={block}): give {option} {drafts} or less")
+
+
 def check_writable(option: str, path: str, example: str) -> None:
     """Refuse (ConfigError) a file that cannot be written at `path` (runlock.check_output)."""
     from draftlab.runlock import check_output
@@ -201,6 +218,9 @@ def cmd_eval(argv: list[str]) -> None:
                           "--fixed-k, --lookup-first and --proposer")
     check_eval_args(args)
     check_eval_files(args)
+    from draftlab.config import check_device
+
+    check_device("--device", args.device)
     fixed_lengths = parse_lengths(args.fixed_k)
     if args.log_rounds and args.fixed_k:
         raise ConfigError("--log-rounds logs one drafting rule: drop --fixed-k (or log each fixed k in its own run)")
@@ -211,7 +231,39 @@ def cmd_eval(argv: list[str]) -> None:
 
 
 def evaluate_to_files(args, auto: bool, auto_threshold: bool, use_disco: bool, fixed_lengths: list[int]) -> None:
-    """The evaluation `draftlab eval` asked for (its options checked, its outputs locked), its report written."""
+    """The evaluation `draftlab eval` asked for (its options checked, its outputs locked), its report written.
+    SIGINT and SIGTERM stop it with one line saying that no report was written and where the round log of the
+    prompts decoded so far is (exit code 128 + the signal's number)."""
+    import signal
+    import threading
+
+    from draftlab.errors import Interrupted
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_term) if main_thread else None
+    state: dict = {}
+    try:
+        evaluate_and_report(args, auto, auto_threshold, use_disco, fixed_lengths, state)
+    except KeyboardInterrupt as e:
+        if isinstance(e, Interrupted):
+            raise
+        name = str(e) if str(e) in ("SIGTERM", "SIGINT", "SIGHUP") else "SIGINT"
+        log = state.get("log")
+        kept = (f"; the round log of the {log.prompts} prompt(s) decoded so far is kept as {log.path} ({log.rows} "
+                "rows; a rerun replaces it)" if log is not None and log.path.is_file() and log.rows else "")
+        raise Interrupted(f"interrupted ({name}): no report was written ({args.out} is as it was){kept}",
+                          128 + signal.Signals[name].value) from None
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
+def evaluate_and_report(args, auto: bool, auto_threshold: bool, use_disco: bool, fixed_lengths: list[int],
+                        state: dict) -> None:
+    """evaluate_to_files' work; `state["log"]` is the round log while it is written."""
     from draftlab.checkpoint import checkpoint_target, load_step, resolve_checkpoint
     from draftlab.config import ConfigError
     from draftlab.data import encode_prompt, load_prompts
@@ -242,6 +294,10 @@ def evaluate_to_files(args, auto: bool, auto_threshold: bool, use_disco: bool, f
             raise ConfigError("--adaptive-threshold, --min-draft and --fixed-k need an acceptance-head checkpoint "
                               f"(drafter kind 'acceptance'); {args.checkpoint or '--proposer prompt_lookup'} is a "
                               f"'{kind}' drafter")
+    if folder is not None:  # what training refuses for this drafter, refused here too: before anything loads
+        from draftlab.checkpoint import read_drafter_config
+
+        check_draft_depth(args, read_drafter_config(folder), str(folder))
     if use_disco:
         from draftlab import disco
 
@@ -257,6 +313,8 @@ def evaluate_to_files(args, auto: bool, auto_threshold: bool, use_disco: bool, f
     if args.checkpoint:
         if foreign:
             drafter = foreign.load(target)
+            check_draft_depth(args, {"kind": drafter.kind, "block_size": getattr(drafter, "block_size", None)},
+                              args.checkpoint)
         else:  # a step pruned by a training still writing the run (train.keep_last) falls back to its newest one
             folder, drafter = load_step(args.checkpoint, lambda step: load_drafter(step, target).eval(), folder)
         proposer = drafter.proposer(target, **adaptive)
@@ -315,10 +373,15 @@ def evaluate_to_files(args, auto: bool, auto_threshold: bool, use_disco: bool, f
         from draftlab.rounds import RoundLog
 
         log = RoundLog(args.log_rounds, args.log_topk, drafter=identity, atomic=True) if args.log_rounds else None
+        state["log"] = log
         try:
             report = evaluate(target, proposer, prompt_ids, spec=spec, sampling=sampling,
                               max_new_tokens=args.max_new_tokens, eos_token_ids=eos,
                               categories=categories, seed=args.seed, repeats=args.repeats, log_rounds=log)
+        except KeyboardInterrupt:
+            if log is not None:
+                log.close()   # kept as PATH.partial: evaluate_to_files says where
+            raise
         except BaseException:
             if log is not None:
                 log.discard()
@@ -445,7 +508,11 @@ def cmd_recipes(argv: list[str]) -> None:
 
             print((recipes_dir() / f"{args.show}.yaml").read_text(), end="")
             return
-    print(to_yaml(compose([f"recipe={args.show}", *args.overrides])), end="")
+    from draftlab.config import check_ranges
+
+    cfg = compose([f"recipe={args.show}", *args.overrides])
+    check_ranges(cfg)  # ranges and the kind's own checks (paths are not needed to show a recipe)
+    print(to_yaml(cfg), end="")
 
 
 COMMAND_RECIPES = ("disco", "serve-learn")  # commands besides train that read recipes (`--recipe NAME`)

@@ -225,7 +225,8 @@ RANGES = {
     **dict.fromkeys(["train.adam_beta1", "train.adam_beta2", "drafter.lora_dropout"], "[0, 1)"),
     **dict.fromkeys(["drafter.ttt_decay", "drafter.medusa_decay", "drafter.mlp_decay"], "(0, 1]"),
     "drafter.distill_temperature": "(0, inf)", "data.regenerate_timeout": "(0, inf)",
-    "drafter.draft_vocab_size": "[-1, inf)",
+    "drafter.draft_vocab_size": "[-1, inf)", "drafter.mask_token_id": "[-1, inf)",
+    "drafter.num_anchors": "[1, inf)", "drafter.block_size": "[2, inf)",
 }
 
 
@@ -529,13 +530,7 @@ def validate(cfg) -> None:
         if tracker not in TRACKERS:
             raise ConfigError(f"config key 'tracking' names '{tracker}': choose from {', '.join(TRACKERS)} "
                               "(comma-separated for several)")
-    for key, interval in RANGES.items():
-        value = OmegaConf.select(cfg, key)
-        if value is None and key.startswith("drafter."):
-            continue
-        problem = range_problem(f"config key '{key}'", value, interval)
-        if problem:
-            raise ConfigError(problem)
+    check_ranges(cfg)
     problem = CONFIGS[cfg.drafter.kind].run_problem(cfg)
     if problem:
         raise ConfigError(problem)
@@ -558,6 +553,33 @@ def validate(cfg) -> None:
     if cfg.eval.auto_draft_length and cfg.eval.tree != "chain":
         raise ConfigError(f"eval.auto_draft_length=true chooses a chain's length, but eval.tree={cfg.eval.tree}: set "
                           "eval.tree=chain (or eval.auto_draft_length=false)")
+
+
+def check_ranges(cfg) -> None:
+    """Every numeric key in its range (RANGES): what `draftlab recipes --show` checks of the config it prints (the
+    rest of validate() needs the run's paths)."""
+    for key, interval in RANGES.items():
+        value = OmegaConf.select(cfg, key)
+        if value is None and key.startswith("drafter."):
+            continue
+        problem = range_problem(f"config key '{key}'", value, interval)
+        if problem:
+            raise ConfigError(problem)
+
+
+def check_device(option: str, device: str) -> None:
+    """A CUDA or MPS device asked for on a machine without one: one line, before anything loads."""
+    import torch
+
+    name = str(device or "auto").lower()
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"{option} {device}: this machine has no CUDA device (torch.cuda.is_available() is false): "
+                          "use cpu or auto")
+    if name.startswith("cuda:") and name[5:].isdigit() and int(name[5:]) >= torch.cuda.device_count():
+        raise ConfigError(f"{option} {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                          f"0..{torch.cuda.device_count() - 1}")
+    if name.startswith("mps") and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ConfigError(f"{option} {device}: this machine has no MPS device: use cpu or auto")
 
 
 def packing_problem(cfg) -> str | None:
@@ -593,3 +615,53 @@ def load_saved(path: str | Path) -> RunConfig:
         for key in [k for k in drafter if k not in own]:
             drafter.pop(key)
     return _merge(structured(kind), saved, str(path))
+
+
+# --- the resume contract (train.resume) ----------------------------------------------------------------------------
+# A resumed run continues the run recorded in its config.yaml. Keys that shape the drafter (every drafter.* key, the
+# kind included), its target or the data it trains on, and in which order (the layout the saved data position
+# counts in), cannot change: a resume that changes one is refused, naming each. Any other key (train.lr,
+# train.max_steps, eval.*, hub.*, ...) may change: the new value is applied and recorded in config.yaml.
+RESUME_FIXED = ("drafter.", "target.path", "seed", "data.train", "data.limit", "data.max_length", "data.store",
+                "data.regenerate_from", "data.regenerate_num", "data.regenerate_max_new_tokens",
+                "data.regenerate_backend", "train.pack_tokens", "train.bucketed", "train.bucket_batches",
+                "train.cache_features")
+RESUME_IGNORED = ("recipe", "out_dir", "train.resume")  # where a run is, and how it was composed, not what it is
+
+
+def flat_config(cfg) -> dict:
+    """{dotted key: value} of a config (lists as lists)."""
+    out: dict = {}
+
+    def walk(node, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                out[f"{prefix}{key}"] = value
+
+    walk(OmegaConf.to_container(cfg, resolve=True) if not isinstance(cfg, dict) else cfg, "")
+    return out
+
+
+def resume_changes(saved, cfg) -> tuple[list[tuple[str, object, object]], list[tuple[str, object, object]]]:
+    """(fixed, applied): the keys whose value differs between a run's saved config and the resumed one, as
+    (key, saved, now), split into those a resume may not change and those it applies. A changed drafter.kind is the
+    one drafter key named (the other kind's keys differ by construction)."""
+    old, new = flat_config(saved), flat_config(cfg)
+    fixed, applied = [], []
+    kind_changed = old.get("drafter.kind") != new.get("drafter.kind")
+    for key in sorted(set(old) | set(new)):
+        if key in RESUME_IGNORED or old.get(key) == new.get(key):
+            continue
+        if kind_changed and key.startswith("drafter.") and key != "drafter.kind":
+            continue
+        is_fixed = any(key == f or (f.endswith(".") and key.startswith(f)) for f in RESUME_FIXED)
+        (fixed if is_fixed else applied).append((key, old.get(key), new.get(key)))
+    return fixed, applied
+
+
+def changes_text(changes) -> str:
+    """'drafter.block_size 8 (now 4), target.path A (now B)'."""
+    return ", ".join(f"{key} {old!r} (now {new!r})" if isinstance(old, str) or isinstance(new, str) else
+                     f"{key} {old} (now {new})" for key, old, new in changes)

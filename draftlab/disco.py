@@ -222,8 +222,13 @@ def load_classifier(path: str | Path) -> StopClassifier:
     if config.get("features") != list(FEATURES):
         raise CheckpointError(f"--disco {path}: trained on features {config.get('features')}, this draftlab computes "
                               f"{list(FEATURES)}: train it again with draftlab disco")
-    model = StopClassifier(int(config["hidden"]), int(config["layers"]))
-    model.load_state_dict(load_file(str(folder / WEIGHTS_NAME)))
+    try:
+        model = StopClassifier(int(config["hidden"]), int(config["layers"]))
+        model.load_state_dict(load_file(str(folder / WEIGHTS_NAME)))
+    except Exception as e:  # noqa: BLE001 (a damaged or cut-off file, or one of other shapes: whatever it trips on)
+        reason = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise CheckpointError(f"--disco {path}: {folder / WEIGHTS_NAME} cannot be loaded as this classifier "
+                              f"({reason}): train it again with draftlab disco") from None
     model.info, model.folder = config, folder
     return model.eval()
 

@@ -42,6 +42,15 @@ class LockError(RuntimeError):
     """Another process holds the lock; the message names it and says what to do."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """A stop signal (SIGINT, SIGTERM) turned into an exception by a command that says what it kept: run_guarded
+    prints the message as the command's one line and exits with `code` (128 + the signal's number)."""
+
+    def __init__(self, message: str = "", code: int = 130):
+        super().__init__(message)
+        self.code = code
+
+
 USER_ERRORS = (ConfigError, CheckpointError, DataError, TargetError, HubError, LockError)
 
 
@@ -122,9 +131,10 @@ def run_guarded(fn) -> int:
         _end_progress_bars()
         print(f"draftlab: error: {describe_disk_full(e)}: free some space and run the command again", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("draftlab: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        _end_progress_bars()  # the line starts on a line of its own, not glued to a progress bar
+        print(f"draftlab: {str(e) or 'interrupted'}", file=sys.stderr)
+        return getattr(e, "code", 130)
     return 0
 
 

@@ -221,8 +221,19 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, *, fmt: str =
             raise HubError(f"{describe_disk_full(e)}: the partial export was removed and {out} (if any) is "
                            "unchanged; free space and export again") from None
         raise
+    readable_like_new_files(tmp)
     ckpt.replace_folder(tmp, out)
     return out
+
+
+def readable_like_new_files(folder: Path) -> None:
+    """Give every file of an export the mode a new file gets under this umask (safetensors writes its files 0600,
+    which a served or uploaded copy of the folder would keep)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, (0o777 if os.access(path, os.X_OK) and path.stat().st_mode & 0o100 else 0o666) & ~umask)
 
 
 DISCO_DIR = "disco"  # an export's DISCO stop classifier (draftlab eval --draft-length disco --disco EXPORT/disco)
@@ -421,6 +432,41 @@ def push_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_target_gguf(path: str, drafter_config: dict) -> None:
+    """HubError (one line, nothing written) unless `path` is a GGUF file of the target the checkpoint was trained
+    for: GGUF's magic bytes, then its width, depth and vocabulary against the checkpoint's target fingerprint."""
+    where = Path(path).expanduser()
+    if not where.is_file():
+        raise HubError(f"--target-gguf {path} is not a file: pass the target's .gguf file (nothing was written)")
+    with open(where, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise HubError(f"--target-gguf {path} is not a GGUF file (it does not start with GGUF's magic bytes): pass "
+                       "the target's .gguf file (nothing was written)")
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(where))
+        value = lambda key: reader.fields[key].contents() if key in reader.fields else None  # noqa: E731
+        arch = value("general.architecture")
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        found = {"hidden_size": value(f"{arch}.embedding_length"), "num_hidden_layers": value(f"{arch}.block_count"),
+                 "vocab_size": value(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)}
+    except ImportError:
+        return
+    except Exception as e:  # noqa: BLE001 (a damaged file: whatever the reader trips on)
+        raise HubError(f"--target-gguf {path} cannot be read as a GGUF file ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0] if str(e) else ''}): pass the target's .gguf file (nothing was "
+                       "written)") from None
+    target = drafter_config.get("target") or {}
+    differ = [f"{key} {found[key]} (the checkpoint's target: {target[key]})" for key in found
+              if found[key] is not None and target.get(key) is not None and int(found[key]) != int(target[key])]
+    if differ:
+        raise HubError(f"--target-gguf {path} ({arch}) is not a GGUF of the target this checkpoint was trained for "
+                       f"({target.get('name_or_path') or target.get('model_type')}): {', '.join(differ)}; pass that "
+                       "target's GGUF (nothing was written)")
+
+
 def cmd_push(argv: list[str]) -> None:
     args = push_parser().parse_args(argv)
     if not args.to and not args.repo_id:
@@ -432,6 +478,8 @@ def cmd_push(argv: list[str]) -> None:
     if args.revision is not None and REVISION_BAD.search(args.revision or "/"):
         raise HubError(f"--revision {args.revision!r} is not a valid branch name: use letters, digits, '-', '_', "
                        "'.' and '/', e.g. --revision v1 (no spaces, '..', '~^:?*[\\', or a leading '-')")
+    if args.format == "gguf" and args.target_gguf:  # before anything converts: a GGUF of this checkpoint's target
+        check_target_gguf(args.target_gguf, ckpt.read_drafter_config(ckpt.resolve_checkpoint(args.checkpoint)))
     options = dict(fmt=args.format, target_path=args.target, base_model=args.base_model, eval_reports=args.eval,
                    license=args.license, disco=args.disco)
     if args.format == "gguf":

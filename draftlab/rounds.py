@@ -113,6 +113,7 @@ class RoundLog:
         self.final = Path(path)
         self.path = self.final.with_name(self.final.name + ".partial") if atomic and not append else self.final
         self.topk, self.rows, self.drafter = topk, 0, drafter
+        self.logged: set[int] = set()       # the prompts with rows in this file (written by this log)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a" if append else "w")
 
@@ -144,6 +145,12 @@ class RoundLog:
         except OSError as e:
             self._failed(e)
         self.rows += 1
+        self.logged.add(data["prompt"])
+
+    @property
+    def prompts(self) -> int:
+        """How many prompts this log wrote rows of."""
+        return len(self.logged)
 
     def _failed(self, e: OSError):
         """A full disk names the log and the space left, and removes the partial log (atomic=True)."""

@@ -76,11 +76,34 @@ class DFlashConfig(DrafterConfig):
 
     @staticmethod
     def run_problem(cfg) -> str | None:
+        from draftlab.drafters.options import layer_ids, whole_numbers_problem
+
+        problem = whole_numbers_problem("target_layers", layer_ids(cfg.drafter, "target_layers"))
+        if problem:
+            return problem
         drafts = int(cfg.drafter.block_size) - 1
         if cfg.eval.tree == "chain" and int(cfg.eval.draft_length) > drafts:
             return (f"eval.draft_length={cfg.eval.draft_length} exceeds the {drafts} tokens a DFlash block of "
                     f"drafter.block_size={cfg.drafter.block_size} drafts: lower it or raise the block size")
+        if cfg.eval.tree == "dynamic" and int(cfg.eval.depth) > drafts:
+            return (f"eval.depth={cfg.eval.depth} exceeds the {drafts} tokens a DFlash block of "
+                    f"drafter.block_size={cfg.drafter.block_size} drafts: lower it or raise the block size")
         return None
+
+    @staticmethod
+    def target_problem(drafter_cfg, text) -> str | None:
+        from draftlab.drafters.options import layer_ids
+
+        layers, ids, vocab = text.num_hidden_layers, layer_ids(drafter_cfg, "target_layers"), text.vocab_size
+        if ids and not all(0 <= i < layers - 1 for i in ids) and not (layers == 1 and ids == [0]):
+            return (f"drafter.target_layers={ids}: the target has {layers} decoder layers, so give layer ids in "
+                    f"0..{layers - 2} (the last layer's output is the final-norm state, not the residual stream "
+                    "engines read)")
+        mask = int(drafter_cfg.mask_token_id)
+        if mask >= vocab:
+            return (f"drafter.mask_token_id={mask} is not a token of the target (its vocabulary has {vocab} ids, "
+                    f"0..{vocab - 1}): name a rarely used special token, or -1 (the highest id data.train never holds)")
+        return DrafterConfig.target_problem(drafter_cfg, text)
 
 
 def default_target_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:

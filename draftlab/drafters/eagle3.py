@@ -97,6 +97,30 @@ class Eagle3Config(DraftVocabOption, DrafterConfig):
     to feature errors; 0 = off)."""
 
     @staticmethod
+    def run_problem(cfg) -> str | None:
+        from draftlab.drafters.options import layer_ids, whole_numbers_problem
+
+        aux = layer_ids(cfg.drafter, "aux_layers")
+        problem = whole_numbers_problem("aux_layers", aux)
+        if problem:
+            return problem
+        if aux and (len(aux) < 2 or len(set(aux)) != len(aux)):
+            return (f"config key 'drafter.aux_layers' is {aux}: EAGLE-3 fuses at least 2 different residual states "
+                    "(or [] = [2, L//2, L-3] of an L-layer target)")
+        return None
+
+    @staticmethod
+    def target_problem(drafter_cfg, text) -> str | None:
+        from draftlab.drafters.options import layer_ids
+
+        aux, layers = layer_ids(drafter_cfg, "aux_layers"), text.num_hidden_layers
+        bad = [i for i in aux if not 0 <= i < layers]
+        if bad:
+            return (f"drafter.aux_layers={aux}: {bad} outside the target's {layers} decoder layers: EAGLE-3 fuses "
+                    f"residual states 0..{layers - 1} (the post-norm state {layers} is not one)")
+        return DrafterConfig.target_problem(drafter_cfg, text)
+
+    @staticmethod
     def packs(drafter_cfg) -> bool:
         return True
 

@@ -23,6 +23,13 @@ class DrafterConfig:
         return None
 
     @staticmethod
+    def target_problem(drafter_cfg, text) -> str | None:
+        """What these drafter.* settings cannot be for this target, in one line (None: nothing). `text`: the target's
+        text config (config.json, read before its weights load: num_hidden_layers, vocab_size). Kinds with layer or
+        token ids add theirs (and call this one)."""
+        return draft_vocab_problem(drafter_cfg, text)
+
+    @staticmethod
     def packs(drafter_cfg) -> bool:
         """Whether this kind (with these drafter.* settings) trains on packed rows (train.pack_tokens,
         draftlab/packing.py): kinds whose loss reads only the batch's conversations say yes."""
@@ -35,6 +42,31 @@ class DraftVocabOption:
     """Draft vocabulary = the N most frequent assistant tokens of data.train; the drafter proposes only those, so
     a draft step skips most of the LM head (0 = the full vocabulary, -1 = auto: 32000, or every distinct
     assistant token when the data holds fewer; an explicit N above that count is an error)."""
+
+
+def draft_vocab_problem(drafter_cfg, text) -> str | None:
+    """A draft vocabulary larger than the target's (it would silently become the full vocabulary)."""
+    size, vocab = getattr(drafter_cfg, "draft_vocab_size", None), getattr(text, "vocab_size", None)
+    if size is not None and vocab and int(size) > int(vocab):
+        return (f"drafter.draft_vocab_size={size} is above the target's vocabulary of {vocab} tokens: give N up to "
+                f"{vocab}, 0 (the full vocabulary) or -1 (auto)")
+    return None
+
+
+def layer_ids(drafter_cfg, key: str) -> list:
+    """A list-valued drafter key (aux_layers, target_layers) as a plain list ([] when the kind has none)."""
+    value = getattr(drafter_cfg, key, None)
+    return list(value) if value is not None else []
+
+
+def whole_numbers_problem(key: str, ids: list, low: int | None = 0) -> str | None:
+    """Layer ids that are not whole numbers, or below `low`."""
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or (low is not None and i < low)]
+    if bad:
+        return (f"config key 'drafter.{key}' is {ids}: {bad} {'is' if len(bad) == 1 else 'are'} not "
+                f"{'a layer id' if len(bad) == 1 else 'layer ids'} (whole numbers"
+                f"{f' from {low}' if low is not None else ''}), e.g. drafter.{key}='[1,2]'")
+    return None
 
 
 @dataclass
