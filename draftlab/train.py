@@ -69,6 +69,7 @@ def train(cfg, out_dir: Path, accelerator) -> dict:
     set_seed(cfg.seed)
 
     # --- target and data -------------------------------------------------------------------------------
+    check_against_target(cfg)                       # layer ids, token ids, vocabulary sizes: before weights load
     target, tokenizer = load_target(cfg.target.path, cfg.target.dtype, str(accelerator.device)
                                     if cfg.target.device == "auto" else cfg.target.device)
     from draftlab.evaluator import check_explicit_masks
@@ -116,11 +117,24 @@ def train(cfg, out_dir: Path, accelerator) -> dict:
     state = {"step": 0, "micro_step": 0, "best_step": None, "best_tau": None, "history": []}
     rng = None
     if resume_from is not None:
+        applied = resume_contract(cfg, out_dir)
         state, rng = restore(resume_from, drafter, model, optimizer, scheduler, accelerator)
+        if any(key in OPTIMIZER_KEYS for key, _, _ in applied):
+            apply_optimizer_settings(cfg, optimizer, scheduler)
         state["micro_step"], warning = runtime.resume_position(state, cfg.train.batch_size, world)
         if is_main:
             print(f"resumed from {resume_from} at step {state['step']}" + (f" ({warning})" if warning else ""),
                   flush=True)
+            if applied:
+                from draftlab.config import changes_text
+
+                print(f"resume: applied {changes_text(applied)}; recorded in {out_dir / 'config.yaml'}", flush=True)
+            if applied or not (out_dir / "config.yaml").is_file():
+                import copy
+
+                recorded = copy.deepcopy(cfg)
+                recorded.train.resume = ""  # config.yaml stays a recipe that starts this run
+                ckpt.write_text_atomic(out_dir / "config.yaml", to_yaml(recorded) + f"# world_size: {world}\n")
             runtime.trim_metrics(out_dir, state["step"])
     elif is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -279,6 +293,99 @@ def check_run_folder(cfg, out_dir: Path) -> None:
     path = Path(cfg.train.resume)
     if cfg.train.resume not in ("", "auto") and not (path / ckpt.STATE_NAME).is_file():
         raise ConfigError(f"train.resume={path}: no {ckpt.STATE_NAME} there; pass a step_N folder of a run or 'auto'")
+    resume_contract(cfg, out_dir)
+
+
+def recorded_config(cfg, out_dir: Path) -> Path | None:
+    """The config.yaml of the run a resume continues (None: a fresh run, or a run that recorded none)."""
+    if cfg.train.resume == "":
+        return None
+    if cfg.train.resume == "auto":
+        path = out_dir / "config.yaml" if ckpt.step_folders(out_dir) else None
+    else:
+        path = Path(cfg.train.resume).parent / "config.yaml"
+    return path if path is not None and path.is_file() else None
+
+
+def resume_contract(cfg, out_dir: Path) -> list:
+    """A resume continues the run its config.yaml records (config.RESUME_FIXED): a changed key that shapes the
+    drafter, its target, its kind or the data layout is refused in one line naming each; the keys that may change
+    are returned as (key, saved, now) to be applied and recorded."""
+    from draftlab.config import changes_text, load_saved, resume_changes
+
+    path = recorded_config(cfg, out_dir)
+    if path is None:
+        return []
+    try:
+        saved = load_saved(path)
+    except ConfigError:  # a config.yaml this draftlab cannot read (an older schema): the checkpoints decide
+        return []
+    fixed, applied = resume_changes(saved, cfg)
+    if fixed:
+        run = path.parent
+        raise ConfigError(f"train.resume={cfg.train.resume}: {run} was trained with {changes_text(fixed)}; "
+                          f"{'this key shapes' if len(fixed) == 1 else 'these keys shape'} the drafter, its target or "
+                          "its data, so a run cannot change them: resume with the values in "
+                          f"{path}, or start a new run with another out_dir (e.g. out_dir={run}_new, "
+                          "train.resume unset) (nothing was changed)")
+    return applied
+
+
+OPTIMIZER_KEYS = ("train.lr", "train.weight_decay", "train.adam_beta1", "train.adam_beta2", "train.max_steps",
+                  "train.warmup_steps", "train.schedule")
+
+
+def apply_optimizer_settings(cfg, optimizer, scheduler) -> None:
+    """After a restore, the optimiser settings of this config rather than the saved ones (a resume may change
+    train.lr, the schedule, weight decay and betas): base learning rates, this step's rate, decay and betas."""
+    inner = getattr(scheduler, "scheduler", scheduler)
+    factor = inner.lr_lambdas[0](inner.last_epoch)
+    inner.base_lrs = [cfg.train.lr for _ in inner.base_lrs]
+    for group in optimizer.param_groups:
+        group.update(initial_lr=cfg.train.lr, lr=cfg.train.lr * factor, weight_decay=cfg.train.weight_decay,
+                     betas=(cfg.train.adam_beta1, cfg.train.adam_beta2))
+    inner._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+
+def target_text_config(path: str):
+    """The target's text config read from its config.json alone (no weights), or None where that is not possible
+    without loading it (a GGUF file, a package, a Hub id not in the local cache, an unreadable config)."""
+    import logging
+
+    from transformers import AutoConfig
+
+    if not path or str(path).endswith(".gguf") or str(path).startswith("package:"):
+        return None
+    local = Path(path).expanduser()
+    if local.exists() and not (local / "config.json").is_file():
+        return None
+    level = logging.getLogger("transformers").level
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        config = AutoConfig.from_pretrained(str(local) if local.exists() else path, local_files_only=True)
+        return config.get_text_config(decoder=True)
+    except Exception:  # noqa: BLE001 (the load itself reports what is wrong, in its own words)
+        return None
+    finally:
+        logging.getLogger("transformers").setLevel(level)
+
+
+def check_against_target(cfg) -> None:
+    """The drafter keys that depend on the target (layer ids, token ids, vocabulary sizes) checked as soon as its
+    config.json is read, before any weights load; and a target.device this machine has."""
+    from draftlab.config import check_device
+    from draftlab.drafters import CONFIGS
+
+    check_device("target.device", cfg.target.device)
+    text = target_text_config(cfg.target.path)
+    if text is None:
+        return
+    try:
+        problem = CONFIGS[cfg.drafter.kind].target_problem(cfg.drafter, text)
+    except (AttributeError, TypeError, ValueError):  # a config.json without the sizes these checks read
+        return
+    if problem:
+        raise ConfigError(f"{problem} (target.path={cfg.target.path})")
 
 
 def check(cfg, run_folder: bool = True) -> None:
@@ -291,6 +398,7 @@ def check(cfg, run_folder: bool = True) -> None:
     if run_folder:
         runtime.run_lock(Path(cfg.out_dir)).probe()
         check_run_folder(cfg, Path(cfg.out_dir))
+    check_against_target(cfg)
     if cfg.data.train and not cfg.data.regenerate_from and Path(cfg.data.train).is_file():
         from draftlab.data import read_conversations
 
@@ -569,10 +677,49 @@ def print_summary(summary: dict) -> None:
           f"checkpoints in {summary['out_dir']}")
 
 
+def usage() -> str:
+    """`draftlab train --help`: how a run is configured, and every key with its default."""
+    from dataclasses import MISSING, fields
+
+    from draftlab.config import RunConfig
+    from draftlab.drafters import CONFIGS
+
+    def keys(section, prefix: str) -> str:
+        out = []
+        for f in fields(section):
+            default = f.default if f.default is not MISSING else f.default_factory()
+            out.append(f"{prefix}{f.name}={default!r}" if isinstance(default, str) else f"{prefix}{f.name}={default}")
+        return " ".join(out)
+
+    lines = ["usage: draftlab train recipe=NAME key=value ...   (the same arguments: python draftlab/train.py, "
+             "launch.sh)", "",
+             "Trains a draft model. The run config is the defaults, then recipe=NAME (`draftlab recipes` lists them, "
+             "`draftlab recipes --show NAME` prints one resolved), then key=value overrides. For example:",
+             "  draftlab train recipe=eagle_head target.path=HF_FOLDER data.train=chat.jsonl "
+             "data.eval_prompts=prompts.jsonl out_dir=runs/eagle",
+             "Continue a stopped run with the same arguments plus train.resume=auto (keys that shape the drafter, "
+             "its target or its data cannot change on resume; train.lr, train.max_steps, eval.* and the like can).",
+             "Check a config without training: draftlab/train.py --check ARGS.", "", "keys (with their defaults):"]
+    for f in fields(RunConfig):
+        if f.name == "drafter":
+            continue
+        if f.default_factory is not MISSING:
+            lines.append(f"  {keys(f.default_factory, f.name + '.')}")
+        else:
+            lines.append(f"  {f.name}={f.default!r}" if isinstance(f.default, str) else f"  {f.name}={f.default}")
+    lines.append("  drafter.kind: " + ", ".join(CONFIGS) + "; each kind's keys:")
+    for kind, config in CONFIGS.items():
+        lines.append(f"    {kind}: " + keys(config, "drafter.").replace(f"drafter.kind={kind!r} ", ""))
+    return "\n".join(lines)
+
+
 def cli(argv: list[str] | None = None) -> int:
     """Entry point shared by `python draftlab/train.py`, `accelerate launch` and `draftlab train`; a first argument
     `--check` / `--check-config` only checks (see check())."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage())
+        return 0
     if argv[:1] in (["--check"], ["--check-config"]):
         return run_guarded(lambda: check(load_config(argv[1:]), run_folder=argv[0] == "--check"))
     summary = {}

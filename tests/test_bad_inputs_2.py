@@ -328,3 +328,265 @@ def test_push_refuses_bad_export_folders_before_writing(run_folder, tiny_target_
     if first is not None:
         assert f"pid {first.pid}" in line
     assert snapshot(tmp_path) == before and leftovers(tmp_path) == []
+
+
+# --- 2. resume is a contract with the run's recorded config.yaml ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_step_run(tiny_target_dir, tiny_chat_file, tmp_path_factory) -> Path:
+    """A run of 2 steps (step_2 saved), to resume."""
+    from test_resume import args
+
+    from draftlab.config import load_config
+    from draftlab.train import main
+
+    out = tmp_path_factory.mktemp("resume") / "run"
+    main(load_config(args(tiny_target_dir, tiny_chat_file, out, "train.max_steps=2")))
+    return out
+
+
+def copy_run(run: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
+@pytest.mark.parametrize("changes, words", [
+    (["drafter.feature_noise=0.5"], ["drafter.feature_noise 0.2 (now 0.5)", "this key shapes"]),
+    (["recipe=medusa_heads"], ["drafter.kind 'eagle' (now 'medusa')"]),
+    (["target.path={other}"], ["target.path '{target}' (now '{other}')"]),
+    (["data.max_length=64", "seed=3"], ["data.max_length 96 (now 64)", "seed 0 (now 3)", "these keys shape"]),
+])
+def test_resume_refuses_a_change_to_what_shapes_the_run(two_step_run, tiny_target_dir, tiny_chat_file, tmp_path,
+                                                        monkeypatch, capsys, changes, words):
+    from test_resume import args
+
+    from draftlab.train import cli as train_cli
+
+    no_target_loads(monkeypatch)
+    run = copy_run(two_step_run, tmp_path)
+    before = snapshot(run)
+    other = tmp_path / "other_target"
+    fill = {"other": str(other), "target": tiny_target_dir}
+    overrides = args(tiny_target_dir, tiny_chat_file, run, "train.max_steps=4", "train.resume=auto")
+    overrides += [c.format(**fill) for c in changes]
+    if changes[0].startswith("recipe="):  # another recipe, the same other arguments: another kind
+        overrides = [a for a in overrides[1:] if not a.startswith("drafter.")]
+    capsys.readouterr()
+    for entry in (train_cli, lambda a: train_cli(["--check", *a])):   # training, and launch.sh's check first
+        code = entry(overrides)
+        line = one_line(code, capsys.readouterr().err, *(w.format(**fill) for w in words))
+        assert f"start a new run with another out_dir (e.g. out_dir={run}_new" in line
+        assert f"resume with the values in {run / 'config.yaml'}" in line
+    assert snapshot(run) == before and leftovers(run) == []
+
+
+def test_resume_applies_and_records_the_keys_that_may_change(two_step_run, tiny_target_dir, tiny_chat_file,
+                                                               tmp_path, capsys):
+    from test_resume import args
+
+    from draftlab.config import load_saved
+    from draftlab.train import cli as train_cli
+
+    run = copy_run(two_step_run, tmp_path)
+    capsys.readouterr()
+    code = train_cli(args(tiny_target_dir, tiny_chat_file, run, "train.max_steps=4", "train.resume=auto",
+                          "train.lr=5e-3", "train.schedule=constant", "train.warmup_steps=0"))
+    out = capsys.readouterr().out
+    assert code == 0
+    assert (f"resume: applied train.lr 0.002 (now 0.005), train.max_steps 2 (now 4), train.schedule 'cosine' (now "
+            f"'constant'), train.warmup_steps 2 (now 0); recorded in {run / 'config.yaml'}") in out, out
+    saved = load_saved(run / "config.yaml")
+    assert (saved.train.lr, saved.train.max_steps, saved.train.schedule, saved.train.resume) == (5e-3, 4, "constant",
+                                                                                                 "")
+    state = ckpt.load_trainer_state(run / "step_4")
+    assert [g["lr"] for g in state["optimizer"]["param_groups"]] == [5e-3] * len(state["optimizer"]["param_groups"])
+
+
+# --- 3. drafter keys: ranges with the config, target-dependent ids when config.json is read -----------------------
+
+@pytest.fixture(scope="module")
+def four_layer_target_dir(tiny_target_4_layers, tmp_path_factory) -> str:
+    model, tok = tiny_target_4_layers
+    path = tmp_path_factory.mktemp("tiny_target_4")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("recipe, keys, words", [
+    ("dflash_head", ["drafter.num_anchors=0"], ["'drafter.num_anchors' is 0", "at least 1"]),
+    ("dflash_head", ["drafter.block_size=1"], ["'drafter.block_size' is 1"]),
+    ("dflash_head", ["drafter.target_layers=[0,9]"], ["drafter.target_layers=[0, 9]", "4 decoder layers", "0..2"]),
+    ("dflash_head", ["drafter.target_layers=[-1,2]"], ["'drafter.target_layers' is [-1, 2]", "not a layer id"]),
+    ("dflash_head", ["drafter.mask_token_id=999999"], ["drafter.mask_token_id=999999 is not a token of the target"]),
+    ("dflash_head", ["drafter.mask_token_id=-5"], ["'drafter.mask_token_id' is -5"]),
+    ("dflash_head", ["eval.tree=dynamic", "eval.depth=20"], ["eval.depth=20 exceeds the 15 tokens a DFlash block"]),
+    ("eagle3_head", ["drafter.aux_layers=[0,1,17]"], ["drafter.aux_layers=[0, 1, 17]", "[17] outside the target's 4"]),
+    ("eagle3_head", ["drafter.aux_layers=[2]"], ["'drafter.aux_layers' is [2]", "at least 2 different"]),
+    ("eagle3_head", ["drafter.draft_vocab_size=100000"], ["drafter.draft_vocab_size=100000 is above the target's "
+                                                          "vocabulary"]),
+    ("distill_layer_skip", ["drafter.target_layers=[0,7]"], ["drafter.target_layers [0, 7]", "[7] outside"]),
+    ("eagle_head", ["target.device=cuda"], ["target.device cuda: this machine has no CUDA device"]),
+])
+def test_drafter_keys_are_refused_before_the_target_loads(recipe, keys, words, four_layer_target_dir, tiny_chat_file,
+                                                          tiny_prompt_file, tmp_path, monkeypatch, capsys):
+    if "cuda" in keys[0] and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from draftlab.train import cli as train_cli
+
+    no_target_loads(monkeypatch)
+    out = tmp_path / "run"
+    overrides = [f"recipe={recipe}", f"target.path={four_layer_target_dir}", f"data.train={tiny_chat_file}",
+                 f"data.eval_prompts={tiny_prompt_file}", f"out_dir={out}", "data.regenerate_from=''", *keys]
+    for argv in (overrides, ["--check", *overrides]):   # training, and launch.sh's check before any process starts
+        capsys.readouterr()
+        one_line(train_cli(argv), capsys.readouterr().err, *words)
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def dflash_step(tiny_target, tmp_path_factory) -> Path:
+    """A DFlash checkpoint with blocks of 8 (7 draft tokens per block)."""
+    from types import SimpleNamespace
+
+    from draftlab.drafters import DRAFTERS
+
+    model, _ = tiny_target
+    drafter = DRAFTERS["dflash"].from_target(model, SimpleNamespace(block_size=8, num_layers=1))
+    return ckpt.save_drafter(drafter, tmp_path_factory.mktemp("dflash") / "step_0")
+
+
+@pytest.mark.parametrize("options, words", [
+    (["--draft-length", "8"], ["--draft-length 8 exceeds the 7 tokens a DFlash block of 8 drafts", "drafter.block_size=8"]),
+    (["--tree", "dynamic", "--depth", "9"], ["--depth 9 exceeds the 7 tokens"]),
+])
+def test_eval_refuses_what_training_refuses(dflash_step, tiny_target_dir, tiny_prompt_file, tmp_path, monkeypatch,
+                                            capsys, options, words):
+    no_target_loads(monkeypatch)
+    code, err = run_main(["eval", "--checkpoint", str(dflash_step), "--target", tiny_target_dir, "--prompts",
+                          tiny_prompt_file, "--out", str(tmp_path / "r.json"), *options], capsys)
+    one_line(code, err, *words)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_eval_on_a_device_this_machine_lacks_is_one_line(tiny_target_dir, tiny_prompt_file, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = cli_run("eval", "--proposer", "prompt_lookup", "--target", tiny_target_dir, "--prompts", tiny_prompt_file,
+                   "--out", str(tmp_path / "r.json"), "--device", "cuda")
+    one_line(proc.returncode, proc.stderr, "--device cuda: this machine has no CUDA device", "use cpu or auto")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_recipes_show_checks_ranges(capsys):
+    code, err = run_main(["recipes", "--show", "dflash_head", "drafter.num_anchors=0"], capsys)
+    one_line(code, err, "'drafter.num_anchors' is 0")
+
+
+# --- 4. help, signals, inputs from elsewhere -----------------------------------------------------------------------
+
+def test_train_help_prints_help():
+    proc = cli_run("train", "--help")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]
+    assert proc.stdout.startswith("usage: draftlab train recipe=NAME") and "train.resume=auto" in proc.stdout
+    assert "drafter.block_size=16" in proc.stdout and "train.lr=0.0001" in proc.stdout
+
+
+@pytest.mark.parametrize("signame, code", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_eval_stopped_by_a_signal_says_what_it_kept(run_folder, tiny_target_dir, tiny_prompt_file, tmp_path,
+                                                   signame, code):
+    import signal
+
+    out, log = tmp_path / "r.json", tmp_path / "r.jsonl"
+    partial = tmp_path / "r.jsonl.partial"
+    proc = subprocess.Popen([sys.executable, "-m", "draftlab.cli", "eval", "--checkpoint", str(run_folder),
+                             "--target", tiny_target_dir, "--prompts", tiny_prompt_file, "--out", str(out),
+                             "--log-rounds", str(log), "--max-new-tokens", "400", "--repeats", "3"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    import time
+
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if partial.is_file() and partial.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    proc.send_signal(getattr(signal, signame))
+    stdout, stderr = proc.communicate(timeout=120)
+    line = one_line(2, stderr)  # exactly one line, no traceback
+    assert proc.returncode == code, stderr[-3000:]
+    assert line.startswith(f"draftlab: interrupted ({signame}): no report was written ({out} is as it was); the "
+                           "round log of the "), line
+    assert f"prompt(s) decoded so far is kept as {partial} (" in line and "a rerun replaces it" in line
+    assert not out.exists() and not log.exists() and partial.is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith((".draftlab.lock", ".draftlab-tmp"))]
+
+
+@pytest.fixture
+def gguf_files(tmp_path) -> dict:
+    import gguf
+
+    def write(name: str, hidden: int, layers: int, vocab: int) -> Path:
+        path = tmp_path / name
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_embedding_length(hidden)
+        writer.add_block_count(layers)
+        writer.add_vocab_size(vocab)
+        writer.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    import numpy as np
+
+    text = tmp_path / "target.gguf"
+    text.write_text("hello\n")
+    return {"text": text, "wide": write("wide.gguf", 999, 2, 100), "dir": tmp_path}
+
+
+@pytest.mark.parametrize("which, words", [
+    ("text", ["--target-gguf", "is not a GGUF file (it does not start with GGUF's magic bytes)"]),
+    ("wide", ["is not a GGUF of the target this checkpoint was trained for", "hidden_size 999 (the checkpoint's "
+                                                                             "target: 64)"]),
+])
+def test_push_gguf_refuses_a_target_gguf_of_another_model_before_converting(run_folder, gguf_files, tmp_path,
+                                                                           capsys, which, words):
+    export = tmp_path / "export"
+    before = snapshot(tmp_path)
+    code, err = run_main(["push", str(run_folder), "--format", "gguf", "--target-gguf", str(gguf_files[which]),
+                          "--to", str(export)], capsys)
+    one_line(code, err, *words)
+    assert snapshot(tmp_path) == before and not export.exists() and leftovers(tmp_path) == []
+
+
+def test_a_damaged_disco_classifier_is_one_line_before_anything_loads(run_folder, tiny_target_dir, tiny_prompt_file,
+                                                                      tmp_path, monkeypatch, capsys):
+    from draftlab import disco
+
+    no_target_loads(monkeypatch)
+    folder = tmp_path / "c"
+    folder.mkdir()
+    (folder / disco.CONFIG_NAME).write_text(json.dumps({"format": "draftlab.disco", "version": disco.FORMAT_VERSION,
+                                                        "features": list(disco.FEATURES), "hidden": 8, "layers": 1}))
+    (folder / disco.WEIGHTS_NAME).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\": cut off")
+    code, err = run_main(eval_argv(run_folder, tiny_target_dir, tiny_prompt_file, "--out", str(tmp_path / "r.json"),
+                                   "--draft-length", "disco", "--max-draft-length", "3", "--disco", str(folder)), capsys)
+    one_line(code, err, f"--disco {folder}: {folder / disco.WEIGHTS_NAME} cannot be loaded", "train it again")
+    assert not (tmp_path / "r.json").exists() and leftovers(tmp_path) == []
+
+
+def test_an_export_is_readable_like_any_new_file_and_leaves_no_lock(run_folder, tiny_target_dir, tmp_path, capsys):
+    export = tmp_path / "export"
+    code, err = run_main(["push", str(run_folder), "--to", str(export), "--target", tiny_target_dir], capsys)
+    assert code == 0, err[-3000:]
+    umask = os.umask(0)
+    os.umask(umask)
+    files = [p for p in export.rglob("*") if p.is_file()]
+    assert any(p.name == "model.safetensors" for p in files)
+    assert all(p.stat().st_mode & 0o777 == 0o666 & ~umask for p in files), [(p, oct(p.stat().st_mode)) for p in files]
+    assert leftovers(tmp_path) == []

@@ -92,7 +92,27 @@ class SmallLMConfig(LoraOptions, DraftVocabOption, DrafterConfig):
     """offline_whitebox: the target's top-k log-probs (plus tail mass) read from data.store."""
 
     @staticmethod
+    def target_problem(drafter_cfg, text) -> str | None:
+        from draftlab.drafters.options import layer_ids
+
+        ids, depth = layer_ids(drafter_cfg, "target_layers"), text.num_hidden_layers
+        bad = [i for i in ids if not -depth <= int(i) < depth]
+        if bad:
+            return (f"drafter.target_layers {ids}: {bad} outside the target's {depth} decoder layers (use "
+                    f"0..{depth - 1}, or -1 for the last)")
+        resolved = [int(i) % depth for i in ids]
+        if resolved != sorted(set(resolved)):
+            return (f"drafter.target_layers {ids} = layers {resolved} of the target: give each layer once, in the "
+                    "target's order")
+        return DrafterConfig.target_problem(drafter_cfg, text)
+
+    @staticmethod
     def run_problem(cfg) -> str | None:
+        from draftlab.drafters.options import layer_ids, whole_numbers_problem
+
+        problem = whole_numbers_problem("target_layers", layer_ids(cfg.drafter, "target_layers"), low=None)
+        if problem:
+            return problem
         if cfg.drafter.distill_mode == "offline_whitebox" and not cfg.data.store:
             return ("drafter.distill_mode=offline_whitebox reads the target's top-k logits from a store: set "
                     "data.store=PATH (built on first use)")
