@@ -97,10 +97,21 @@ LAYER_LISTS = ("layers", "h", "blocks")
 FINAL_NORMS = ("norm", "ln_f", "final_layer_norm", "final_layernorm", "norm_f")
 
 
+def text_decoder(model) -> torch.nn.Module:
+    """The module mapping input ids to the last hidden states (`last_hidden_state`): `model.get_decoder()`, or, where
+    that is the causal LM itself (Llama 4's text model), its child model."""
+    from transformers import PreTrainedModel
+
+    decoder = model.get_decoder()
+    if decoder is model:
+        decoder = next((c for c in model.children() if isinstance(c, PreTrainedModel)), model)
+    return decoder
+
+
 def decoder_layers(model) -> tuple[torch.nn.Module, str]:
     """(the decoder, the attribute name of its list of decoder layers): one of LAYER_LISTS, else its only child
     ModuleList of `num_hidden_layers` modules."""
-    decoder = model.get_decoder()
+    decoder = text_decoder(model)
     count = model.config.get_text_config(decoder=True).num_hidden_layers
     named = [(name, getattr(decoder, name, None)) for name in LAYER_LISTS]
     named += list(decoder.named_children())
@@ -112,7 +123,7 @@ def decoder_layers(model) -> tuple[torch.nn.Module, str]:
 
 def final_norm(model) -> torch.nn.Module:
     """The decoder's final norm (one of FINAL_NORMS), or an Identity for a decoder without one."""
-    decoder = model.get_decoder()
+    decoder = text_decoder(model)
     return next((m for m in (getattr(decoder, n, None) for n in FINAL_NORMS) if isinstance(m, torch.nn.Module)),
                 torch.nn.Identity())
 
@@ -241,14 +252,27 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def lora_targets(model: torch.nn.Module) -> list[str]:
-    """The modules LoRA adapts: every plain projection (`nn.Linear`, GPT-2's `Conv1D`) but the LM head. A subclass of
-    Linear with its own forward (a MoE router returning a tuple, as Phi-MoE's) and MoE expert tensors are left alone,
-    where peft's "all-linear" wraps them too."""
+    """The modules LoRA adapts: every plain projection (`nn.Linear` and its subclasses that project, GPT-2's
+    `Conv1D`) but the LM head. A Linear whose forward returns something else (a MoE router's tuple, as Phi-MoE's)
+    and MoE expert tensors are left alone, where peft's "all-linear" wraps them too."""
     from transformers.pytorch_utils import Conv1D
 
     head = model.get_output_embeddings()
     return [name for name, module in model.named_modules()
-            if type(module) in (torch.nn.Linear, Conv1D) and module is not head]
+            if isinstance(module, (torch.nn.Linear, Conv1D)) and module is not head and _projects(module)]
+
+
+def _projects(module: torch.nn.Module) -> bool:
+    """Whether a Linear (subclass) is a plain projection: one tensor of its output width back (Falcon's FalconLinear
+    is; a MoE router returning (weights, experts) is not)."""
+    width = module.weight.shape[1] if isinstance(module, torch.nn.Linear) else module.weight.shape[0]
+    try:
+        with torch.no_grad():
+            out = module(torch.zeros(1, width, dtype=module.weight.dtype, device=module.weight.device))
+    except Exception:
+        return False
+    return isinstance(out, torch.Tensor) and out.shape[-1] == (module.out_features if isinstance(module, torch.nn.Linear)
+                                                                else module.nf)
 
 
 def unwrap_lora(model: torch.nn.Module) -> None:

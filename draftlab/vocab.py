@@ -170,6 +170,8 @@ def lm_step(model, head: DraftHead, keep: int = 1, **inputs) -> tuple[Tensor, Te
     Whatever a model family's own forward applies after its LM head (logit soft-capping or scaling) is skipped:
     the draft distribution is then the one computed here, which is all verification needs to stay lossless.
     """
-    hidden = model.get_decoder()(**inputs).last_hidden_state
+    from draftlab.serving import text_decoder
+
+    hidden = text_decoder(model)(**inputs).last_hidden_state
     hidden = hidden[:, -keep:] if keep else hidden
     return hidden, head.small(hidden)

@@ -39,7 +39,7 @@ from draftlab.drafters.medusa import ResBlock
 from draftlab.drafters.options import DrafterConfig, settings
 from draftlab.errors import ConfigError
 from draftlab.proposers import CausalLMProposer
-from draftlab.serving import add_legacy_keys
+from draftlab.serving import add_legacy_keys, text_decoder
 
 LABELS = ("sampled", "greedy")
 
@@ -195,7 +195,7 @@ class AcceptanceHead(nn.Module):
         where = (batch["loss_mask"] * attn)[:, 1:].bool()                 # [B, T-1]: token t+1 is drafted
         with torch.no_grad():
             base_states = self._base_states(ids, attn)[:, :-1][where]                            # [N, d]
-            target_states = self.target.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
+            target_states = text_decoder(self.target)(input_ids=ids, attention_mask=attn).last_hidden_state
             drafted, labels = self._draft_and_label(base_states, target_states[:, :-1][where])
             # Z: the target's token with probability mix_ratio (unlabelled), else the draft (labelled)
             keep_target = torch.rand(drafted.shape, device=ids.device) < self.settings["mix_ratio"]
