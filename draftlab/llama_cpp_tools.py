@@ -139,10 +139,21 @@ def missing_build_tools() -> str | None:
 
 @contextlib.contextmanager
 def _locked(path: Path):
-    """One build at a time per cache folder (CI and a test run may start one together)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    """One build at a time per cache folder (CI and a test run may start one together): a second one says in one line
+    that it waits. A cache root that cannot hold the folder (read-only, a file) is one line naming it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a")
+    except OSError as e:
+        raise EngineError(f"cannot use {path.parent} as llama.cpp's build folder ({e.strerror or e}): set "
+                          "DRAFTLAB_LLAMA_CPP_CACHE to a writable folder") from None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"draftlab: another process is building llama.cpp in {path.parent}: waiting for it to finish",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:
@@ -189,6 +200,13 @@ def build(version: str = VERSION, jobs: int = 2, log=print, variant: str = "stoc
     return found
 
 
+ENGINE_USAGE = """usage: draftlab engine build [--exact | --vllm]    build llama.cpp's serving tools (--exact: the batch-invariant
+                                                 build tests use) or set up the CPU vLLM, cached per version
+       draftlab engine where [--exact | --vllm]    print where the built tools (or vLLM's Python) are
+       draftlab engine serve --vllm --target T [--export E] [--draft-length K]
+                                                 run vLLM's OpenAI server on a target, with a drafter export"""
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m draftlab.llama_cpp_tools [build|where] [--exact]` (the same as `draftlab engine ...`); with --vllm,
     vllm_tools.main (build, where, serve)."""
@@ -199,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         from draftlab.vllm_tools import main as vllm_main
 
         return vllm_main(argv)
+    if {"-h", "--help"} & set(argv):
+        print(ENGINE_USAGE)
+        return 0
     variant = "exact" if "--exact" in argv else "stock"
     words = [a for a in argv if a != "--exact"]
     what = words[0] if words else "build"

@@ -590,3 +590,19 @@ def test_an_export_is_readable_like_any_new_file_and_leaves_no_lock(run_folder, 
     assert any(p.name == "model.safetensors" for p in files)
     assert all(p.stat().st_mode & 0o777 == 0o666 & ~umask for p in files), [(p, oct(p.stat().st_mode)) for p in files]
     assert leftovers(tmp_path) == []
+
+
+def test_engine_help_and_an_unusable_build_folder(tmp_path, capsys, monkeypatch):
+    """`draftlab engine --help` prints the usage; a llama.cpp cache root that is a file is one line, exit 2, before
+    anything downloads or compiles."""
+    capsys.readouterr()
+    assert cli.main(["engine", "--help"]) == 0
+    assert "draftlab engine build" in capsys.readouterr().out
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setenv("DRAFTLAB_LLAMA_CPP_CACHE", str(tmp_path / "cache"))
+    from draftlab import llama_cpp_tools
+
+    monkeypatch.setattr(llama_cpp_tools, "missing_build_tools", lambda: "")
+    code, err = run_main(["engine", "build"], capsys)
+    assert "DRAFTLAB_LLAMA_CPP_CACHE" in one_line(code, err)
+    assert (tmp_path / "cache").read_text() == "not a folder"
