@@ -70,11 +70,17 @@ def shapes(args) -> dict[str, list[str]]:
             "tree": ["--tree", "dynamic", "--depth", str(args.k), "--top-k", "4", "--total-tokens", "16"]}
 
 
+def cache_file(args, name: str, set_name: str, shape: str) -> Path:
+    """One evaluation's report: named by every setting that changes it."""
+    return (OUT.parent / "cache" / "gemma3_270m" /
+            f"{name}_a{args.answers}_s{args.steps}_{set_name}_{shape}_k{args.k}_t{args.max_new_tokens}_n{args.num_prompts}.json")
+
+
 def stage_eval(args) -> None:
     for name in TARGETS:
         for set_name, prompts in SETS.items():
             for shape, flags in shapes(args).items():
-                out = OUT.parent / "cache" / "gemma3_270m" / f"{name}_a{args.answers}_{set_name}_{shape}.json"
+                out = cache_file(args, name, set_name, shape)
                 if out.is_file():
                     continue
                 out.parent.mkdir(parents=True, exist_ok=True)
@@ -119,7 +125,7 @@ def stage_report(args) -> None:
     for name in TARGETS:
         for set_name in SETS:
             for shape in shapes(args):
-                path = cache / f"{name}_a{args.answers}_{set_name}_{shape}.json"
+                path = cache_file(args, name, set_name, shape)
                 if not path.is_file():
                     continue
                 r = json.loads(path.read_text())
@@ -169,7 +175,9 @@ def main() -> None:
         ap.error(f"unknown stage(s) {', '.join(unknown)}: choose from {' '.join(STAGES)}")
     args.stages = args.stages or list(STAGES)
     if args.quick:
+        global OUT
         args.answers, args.steps, args.num_prompts, args.max_new_tokens = 16, 20, 2, 32
+        OUT = OUT.with_name("gemma3_270m_quick")
     for stage in STAGES:
         if stage in args.stages:
             log(f"stage {stage}")
