@@ -145,6 +145,18 @@ def chat_prompt(tok, text: str):
                                                 add_generation_prompt=True)["input_ids"])
 
 
+def greedy_answers(model, tok, texts, max_new_tokens: int = 48) -> list:
+    """The model's greedy continuation of each text as a one-turn chat prompt, past EOS (`max_new_tokens` each):
+    prompt + answer ids [P + max_new_tokens], the data the serving tests fit drafters on."""
+    answers = []
+    for text in texts:
+        ids = chat_prompt(tok, text)
+        answers.append(model.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                      max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                                      pad_token_id=tok.pad_token_id)[0])
+    return answers
+
+
 @pytest.fixture(scope="session")
 def tiny_chat_prompts(tiny_target):
     """Three chat prompts for the tiny target (tensors [P])."""

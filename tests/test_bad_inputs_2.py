@@ -17,6 +17,7 @@ import torch
 
 from draftlab import checkpoint as ckpt
 from draftlab import cli, runlock
+from test_bad_inputs import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,16 +38,6 @@ def leftovers(folder: Path) -> list[str]:
     return sorted(str(p) for p in Path(folder).rglob("*") if p.name.endswith((".draftlab-tmp", ".draftlab.lock",
                                                                                 ".partial", ".tmp"))
                   or p.name.startswith(".draftlab-write-check-"))
-
-
-def run_main(argv: list[str], capsys) -> tuple[int, str]:
-    """cli.main in this process: (exit code, stderr); argparse errors exit through SystemExit."""
-    capsys.readouterr()
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:
-        code = e.code
-    return code, capsys.readouterr().err
 
 
 def one_line(code: int, err: str, *words: str) -> str:

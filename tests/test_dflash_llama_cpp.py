@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import CORPUS, chat_prompt
+from conftest import CORPUS, greedy_answers
 from draftlab import llama_cpp_tools as lct
 from test_llama_cpp_serving import (CONVERTER_WRAPPER, PROMPTS, fit_to_answers, save_run,  # noqa: F401
                                     tiny_target_and_prompts, tools)  # tools: a fixture
@@ -47,12 +47,7 @@ def served(tools, tiny_tokenizer, tmp_path_factory):  # noqa: F811 (the imported
     os.environ["DRAFTLAB_GGUF_CONVERTER"] = str(root / "convert_any_bpe.py")
     (root / "convert_any_bpe.py").write_text(CONVERTER_WRAPPER)
     try:
-        answers = []
-        for text in [*PROMPTS, *CORPUS[:6]]:
-            ids = chat_prompt(tok, text)
-            answers.append(model.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                          max_new_tokens=48, do_sample=False, eos_token_id=None,
-                                          pad_token_id=tok.pad_token_id)[0])
+        answers = greedy_answers(model, tok, [*PROMPTS, *CORPUS[:6]])
         run = save_run(root / "run", fitted_dflash(model, answers), target_dir)
         export = export_checkpoint(run, root / "export", fmt="gguf", target=model, tokenizer=tok)
         report, log = root / "dflash.json", root / "dflash.rounds.jsonl"

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import CORPUS, build_tiny_llama, chat_prompt
+from conftest import CORPUS, build_tiny_llama, greedy_answers
 from draftlab import llama_cpp_tools as lct
 from draftlab.checkpoint import save_drafter
 
@@ -147,12 +147,7 @@ def served(tools, tiny_tokenizer, tmp_path_factory):
     root = tmp_path_factory.mktemp("llama_cpp")
     tok = tiny_tokenizer
     model, target_dir, prompts = tiny_target_and_prompts(root, tok)
-    answers = []
-    for text in CORPUS[:6]:
-        ids = chat_prompt(tok, text)
-        answers.append(model.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                      max_new_tokens=48, do_sample=False, eos_token_id=None,
-                                      pad_token_id=tok.pad_token_id)[0])
+    answers = greedy_answers(model, tok, CORPUS[:6])
     # a small_lm of all the target's layers, perturbed so that it agrees with the target often, not always
     small = SmallLM.from_target(model, SimpleNamespace(target_layers=[0, 1, 2, 3]), tok)
     noise = torch.Generator().manual_seed(1)

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import CORPUS, chat_prompt
+from conftest import CORPUS, greedy_answers
 from draftlab import vllm_tools as vt
 from test_llama_cpp_serving import PROMPTS, fit_to_answers, save_run
 
@@ -100,12 +100,7 @@ def world(engine, tiny_tokenizer, tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)      # tiny matrices on a shared 2-core machine
     try:
-        answers = []
-        for text in [*PROMPTS, *CORPUS[:6]]:
-            ids = chat_prompt(tok, text)
-            answers.append(model.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                          max_new_tokens=48, do_sample=False, eos_token_id=None,
-                                          pad_token_id=tok.pad_token_id)[0])
+        answers = greedy_answers(model, tok, [*PROMPTS, *CORPUS[:6]])
         for kind in KINDS:
             run = save_run(root / f"run_{kind}", fitted(kind, model, tok, answers), target_dir)
             export = export_checkpoint(run, root / f"export_{kind}", target=model, tokenizer=tok)
