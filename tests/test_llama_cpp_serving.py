@@ -94,9 +94,10 @@ def tools():
     return found
 
 
-def tiny_target_and_prompts(root, tok):
-    """(model, its saved folder, the prompt file of PROMPTS): the 4-layer tiny target the llama.cpp tests serve."""
-    model = build_tiny_llama(tok, layers=4).requires_grad_(False)
+def tiny_target_and_prompts(root, tok, model=None):
+    """(model, its saved folder, the prompt file of PROMPTS): the 4-layer tiny target the llama.cpp tests serve, or
+    `model` saved the same way."""
+    model = model if model is not None else build_tiny_llama(tok, layers=4).requires_grad_(False)
     target_dir = root / "target"
     model.save_pretrained(target_dir)
     tok.save_pretrained(target_dir)

@@ -23,7 +23,7 @@ import torch
 
 from conftest import CORPUS, greedy_answers
 from draftlab import vllm_tools as vt
-from test_llama_cpp_serving import PROMPTS, fit_to_answers, save_run
+from test_llama_cpp_serving import PROMPTS, fit_to_answers, save_run, tiny_target_and_prompts
 
 K = 3                   # draft length
 NEW_TOKENS = 32         # greedy tokens per prompt
@@ -89,13 +89,7 @@ def world(engine, tiny_tokenizer, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("vllm")
     tok = tiny_tokenizer
-    model = vllm_target(tok)
-    target_dir = root / "target"
-    model.save_pretrained(target_dir)
-    tok.save_pretrained(target_dir)
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"p{i}", "messages": [{"role": "user", "content": p}]}) + "\n"
-                               for i, p in enumerate(PROMPTS)))
+    model, target_dir, prompts = tiny_target_and_prompts(root, tok, vllm_target(tok))
     out = {"root": root, "target_dir": target_dir, "exports": {}, "reports": {}, "rounds": {}}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)      # tiny matrices on a shared 2-core machine
